@@ -1,0 +1,2 @@
+"""ckptzip: compressed chains of deep-learning training checkpoints."""
+__version__ = "0.1.0"

@@ -1,0 +1,125 @@
+"""The checkpoint container: one safetensors file of uint8 blobs plus a JSON manifest.
+
+Byte layout (see docs/FORMAT.md for the full specification)::
+
+    u64 little-endian N | N bytes header JSON (canonical, space-padded to a multiple of 8) | blobs
+
+The header is a standard safetensors header: every blob is a ``U8`` tensor of shape ``[nbytes]``
+and ``__metadata__`` holds three strings: ``ckptzip.format`` (the format version), ``ckptzip.manifest``
+(the manifest JSON) and ``ckptzip.sha256`` (SHA-256 of the manifest string). The manifest lists a
+SHA-256 per blob. We write the bytes ourselves so the header is canonical (sorted keys, compact
+separators): the reader re-derives it and compares, so any flipped byte anywhere is detected --
+including whitespace that JSON would otherwise ignore. Stock safetensors readers open the files.
+Nothing here ever unpickles.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+
+from .errors import CorruptCheckpointError, FormatVersionError
+
+FORMAT_VERSION = 1
+MAGIC_KEY = "ckptzip.format"
+_MAX_HEADER = 256 * 1024 * 1024  # a header this large is not ours: refuse before allocating
+
+
+@dataclass
+class Container:
+    manifest: dict
+    blobs: dict[str, bytes]
+
+
+def sha256(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def _header_bytes(manifest_str: str, sizes: list[tuple[str, int]]) -> bytes:
+    header: dict = {"__metadata__": {MAGIC_KEY: str(FORMAT_VERSION), "ckptzip.manifest": manifest_str,
+                                     "ckptzip.sha256": sha256(manifest_str.encode())}}
+    off = 0
+    for key, n in sizes:
+        header[key] = {"dtype": "U8", "shape": [n], "data_offsets": [off, off + n]}
+        off += n
+    raw = _dumps(header).encode()
+    return raw + b" " * (-len(raw) % 8)  # safetensors pads the header with spaces to 8 bytes
+
+
+def encode_container(manifest: dict, blobs: dict[str, bytes]) -> bytes:
+    """Serialize a manifest and its blobs. Blob checksums are added to the manifest here."""
+    manifest = dict(manifest)
+    manifest["format_version"] = FORMAT_VERSION
+    keys = sorted(blobs)
+    manifest["blobs"] = {k: {"nbytes": len(blobs[k]), "sha256": sha256(blobs[k])} for k in keys}
+    header = _header_bytes(_dumps(manifest), [(k, len(blobs[k])) for k in keys])
+    return b"".join([struct.pack("<Q", len(header)), header, *(blobs[k] for k in keys)])
+
+
+def decode_container(data: bytes | memoryview, *, name: str = "checkpoint", verify_blobs: bool = True) -> Container:
+    """Parse and fully validate a container; raise CorruptCheckpointError naming ``name`` on any defect."""
+    data = memoryview(data)
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{name}: {why}")
+
+    if len(data) < 8:
+        raise bad(f"truncated: {len(data)} bytes is shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > _MAX_HEADER or 8 + n > len(data):
+        raise bad(f"header length {n} does not fit in a file of {len(data)} bytes (truncated or not safetensors)")
+    raw = bytes(data[8:8 + n])
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"header is not valid JSON ({e.__class__.__name__}); the file is corrupt or not a checkpoint") from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or MAGIC_KEY not in meta:
+        raise bad("not a ckptzip checkpoint (a safetensors file without ckptzip metadata?); "
+                  "ingest model files with `ckptzip compress`")
+    try:
+        version = int(meta[MAGIC_KEY])
+    except (TypeError, ValueError):
+        raise bad(f"format version {meta[MAGIC_KEY]!r} is not an integer") from None
+    if version > FORMAT_VERSION:
+        raise FormatVersionError(f"{name}: written by format version {version}, this ckptzip reads up to "
+                                 f"{FORMAT_VERSION}; upgrade ckptzip")
+    mstr = meta.get("ckptzip.manifest")
+    if not isinstance(mstr, str) or meta.get("ckptzip.sha256") != sha256(mstr.encode()):
+        raise bad("manifest checksum mismatch")
+    try:
+        manifest = json.loads(mstr)
+    except json.JSONDecodeError:
+        raise bad("manifest is not valid JSON") from None
+    bl = manifest.get("blobs") if isinstance(manifest, dict) else None
+    if not isinstance(bl, dict):
+        raise bad("manifest has no blob table")
+    try:
+        sizes = [(k, int(bl[k]["nbytes"])) for k in sorted(bl)]
+    except (TypeError, KeyError, ValueError):
+        raise bad("malformed blob table") from None
+    if _header_bytes(mstr, sizes) != raw:
+        raise bad("header does not match its manifest (corrupt header bytes)")
+    body = data[8 + n:]
+    total = sum(s for _, s in sizes)
+    if len(body) != total:
+        raise bad(f"data section has {len(body)} bytes, the header promises {total} (truncated or appended)")
+    blobs: dict[str, bytes] = {}
+    off = 0
+    for k, s in sizes:
+        chunk = body[off:off + s]
+        off += s
+        if verify_blobs and sha256(chunk) != bl[k].get("sha256"):
+            raise bad(f"blob {k!r} fails its checksum (record data is corrupt)")
+        blobs[k] = bytes(chunk)
+    return Container(manifest, blobs)
+
+
+def read_manifest(data: bytes | memoryview, *, name: str = "checkpoint") -> dict:
+    """Validated manifest without hashing the blobs (for listings)."""
+    return decode_container(data, name=name, verify_blobs=False).manifest

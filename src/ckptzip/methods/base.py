@@ -1,0 +1,207 @@
+"""The method interface: how a compression method plugs into a chain.
+
+A method turns a flattened training state into an :class:`Encoded` checkpoint *given the reference
+it left behind last time* (None for a keyframe), and back. The chain calls, in this order::
+
+    1. m = get_method(name, config)                    # or the descriptor stored in a file
+    2. enc, ref = m.encode(flat, reference, ctx=ctx)   # ref: what the next save encodes against
+    3. (chain writes enc into a container; parent step = reference.step unless enc.keyframe)
+    ... on restore, for each file from the nearest keyframe forward:
+    4. tensors, ref = m.decode(records, enc, ref, ctx=dctx)
+
+``Reference.step`` is the step a delta is taken against (its parent in the chain). A method whose
+deltas all point at one base (BitSnap) returns the base reference unchanged; one whose deltas
+chain (lossless XOR, DynaQuant, ExCP) returns a reference for the step just written.
+
+A worked example is methods/lossless.py (about 80 lines). Every method is registered under a
+name; its descriptor ``"name/version"`` goes into each file so the reader rebuilds it from the
+file alone, with the config stored beside it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from ..codec import bytegroup
+from ..errors import ConfigError, CorruptCheckpointError, UnknownMethodError
+from ..state import FlatState, TensorRecord
+from ..tensorbytes import tensor_from_bytes, tensor_to_bytes
+
+
+@dataclass
+class Reference:
+    """What a method needs from earlier checkpoints to encode or decode the next one."""
+
+    step: int
+    data: Any
+
+
+@dataclass
+class Encoded:
+    """One encoded checkpoint: per-record pipelines and metadata, and the blobs they point to."""
+
+    records: dict[str, dict] = field(default_factory=dict)  # name -> {"pipeline", "meta", "blobs"}
+    blobs: dict[str, bytes] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)                # method-level JSON (search results, ...)
+    keyframe: bool = True
+
+    def add(self, name: str, pipeline: list[str], meta: dict | None = None, **blobs: bytes) -> None:
+        """Add a record; blob keys are made unique as ``<record index>.<part>``."""
+        i = len(self.records)
+        keys = {}
+        for part, data in blobs.items():
+            key = f"{i}.{part}"
+            self.blobs[key] = data
+            keys[part] = key
+        self.records[name] = {"pipeline": list(pipeline), "meta": meta or {}, "blobs": keys}
+
+    def blob(self, name: str, part: str) -> bytes:
+        try:
+            return self.blobs[self.records[name]["blobs"][part]]
+        except KeyError:
+            raise CorruptCheckpointError(f"record {name!r} has no blob {part!r}") from None
+
+
+@dataclass
+class EncodeContext:
+    """Everything beside the state that a method may use. Keyword-only so fields can be added."""
+
+    step: int
+    model: torch.nn.Module | None = None          # live model (config search evaluates copies of it)
+    eval_fn: Callable[[torch.nn.Module], float] | None = None
+    threshold: float = 0.01                       # relative quality budget per checkpoint
+    higher_is_better: bool = False
+    gradients: dict[str, torch.Tensor] | None = None  # param name -> gradient EMA (sensitivity)
+    force_keyframe: bool = False
+
+
+@dataclass
+class DecodeContext:
+    step: int
+    device: str | torch.device = "cpu"
+
+
+class Method(ABC):
+    """Base of every compression method. Subclasses set ``name``, ``version`` and ``config_cls``."""
+
+    name: ClassVar[str]
+    version: ClassVar[int] = 1
+    config_cls: ClassVar[type | None] = None
+
+    def __init__(self, config=None, **overrides):
+        if self.config_cls is None:
+            if config or overrides:
+                raise ConfigError(f"method {self.name!r} takes no configuration")
+            self.config = None
+            return
+        if isinstance(config, dict):
+            config = config_from_dict(self.config_cls, config)
+        config = config or self.config_cls()
+        if not isinstance(config, self.config_cls):
+            raise ConfigError(f"method {self.name!r} takes a {self.config_cls.__name__}, got {type(config).__name__}")
+        self.config = dataclasses.replace(config, **overrides) if overrides else config
+
+    @property
+    def descriptor(self) -> str:
+        return f"{self.name}/{self.version}"
+
+    def config_dict(self) -> dict:
+        return dataclasses.asdict(self.config) if self.config is not None else {}
+
+    @abstractmethod
+    def encode(self, state: FlatState, reference: Reference | None, *, ctx: EncodeContext) -> tuple[Encoded, Reference]:
+        """Encode ``state``; ``reference`` is None for a keyframe. Set ``Encoded.keyframe``."""
+
+    @abstractmethod
+    def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
+               *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
+        """Rebuild every record's tensor; return them and the reference for the next file."""
+
+    def close(self) -> None:
+        """Release resources (worker pools, process groups)."""
+
+
+def config_from_dict(cls: type, d: dict):
+    """Build a frozen config from a manifest dict, refusing unknown keys with a fix-it message."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+        raise ConfigError(f"{cls.__name__} has no field(s) {sorted(unknown)}; valid: {sorted(names)}")
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+    return cls(**kwargs)
+
+
+# --- registry --------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, type[Method]] = {}
+# built-in methods are imported on first use, so importing ckptzip stays cheap
+_BUILTIN = {
+    "lossless": "ckptzip.methods.lossless",
+    "dynaquant": "ckptzip.methods.dynaquant",
+    "excp": "ckptzip.methods.excp",
+    "excp-fixed": "ckptzip.methods.excp",
+    "bitsnap": "ckptzip.methods.bitsnap",
+    "bitsnap-lossless": "ckptzip.methods.bitsnap",
+    "qd": "ckptzip.methods.baselines",
+    "cnr": "ckptzip.methods.baselines",
+    "gobo": "ckptzip.methods.baselines",
+}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def method_class(name_or_descriptor: str) -> type[Method]:
+    name, _, ver = name_or_descriptor.partition("/")
+    if name not in _REGISTRY and name in _BUILTIN:
+        try:
+            importlib.import_module(_BUILTIN[name])
+        except ModuleNotFoundError as e:
+            if not e.name or not e.name.startswith("ckptzip"):
+                raise
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise UnknownMethodError(f"unknown method {name!r}; available: {', '.join(available_methods())}")
+    if ver and int(ver) > cls.version:
+        raise UnknownMethodError(f"method {name!r} version {ver} is newer than this ckptzip reads "
+                                 f"({cls.version}); upgrade ckptzip")
+    return cls
+
+
+def get_method(name_or_descriptor: str, config=None, **overrides) -> Method:
+    return method_class(name_or_descriptor)(config, **overrides)
+
+
+def available_methods() -> list[str]:
+    names = set(_REGISTRY)
+    for name, mod in _BUILTIN.items():
+        if importlib.util.find_spec(mod) is not None:
+            names.add(name)
+    return sorted(names)
+
+
+# --- exact storage shared by every method (scalars, ints, small tensors, tensors a lossy method skips)
+
+EXACT_PIPELINE = ["exact/1", "bytegroup/1"]
+
+
+def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3) -> None:
+    enc.add(name, EXACT_PIPELINE, {}, data=bytegroup.compress(tensor_to_bytes(t), t.element_size(),
+                                                              float_bits=t.is_floating_point(), level=level))
+
+
+def decode_exact(enc: Encoded, name: str, rec: TensorRecord) -> torch.Tensor:
+    raw = bytegroup.decompress(enc.blob(name, "data"))
+    return tensor_from_bytes(raw, rec.dtype, rec.shape)
+
+
+def is_exact(enc: Encoded, name: str) -> bool:
+    return enc.records[name]["pipeline"][:1] == EXACT_PIPELINE[:1]

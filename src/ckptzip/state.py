@@ -1,0 +1,285 @@
+"""Training state <-> named tensor records plus an exact, pickle-free skeleton.
+
+``flatten_state({"model": model.state_dict(), "optimizer": opt.state_dict(), ...})`` walks any
+nesting of dicts/lists/tuples. Every tensor (and numpy array) becomes a named record carrying its
+role (weight, buffer, exp_avg, exp_avg_sq, momentum_buffer, step, ...), layer type and link to the
+parameter it belongs to; everything else (ints, floats, strings, None, bools, param_groups, RNG
+states) stays in a JSON skeleton with tagged values for what JSON cannot hold (tuples, non-string
+dict keys, non-finite floats, bytes). ``unflatten_state`` rebuilds the same objects, dtypes and
+shapes, ready for ``load_state_dict``.
+"""
+from __future__ import annotations
+
+import base64
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from .tensorbytes import FLOAT_DTYPES, dtype_name
+
+# Optimizer-state entries that are moments of a parameter (lossy codecs may compress these).
+MOMENT_ROLES = frozenset({"exp_avg", "exp_avg_sq", "momentum_buffer", "max_exp_avg_sq", "square_avg",
+                          "acc_delta", "sum", "exp_inf"})
+LAYER_TYPES = ("embedding", "linear", "conv", "norm", "bias", "other")
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.modules.batchnorm._NormBase)
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """What is known about one tensor of a training state (JSON-able via to_dict)."""
+
+    name: str                      # path in the state, e.g. "model/fc1.weight", "optimizer/state/0/exp_avg"
+    role: str                      # weight | buffer | exp_avg | exp_avg_sq | momentum_buffer | step | tensor
+    dtype: str                     # torch dtype name
+    shape: tuple[int, ...]
+    layer_type: str = "other"      # embedding | linear | conv | norm | bias | other
+    param: str | None = None       # model parameter this record is, or belongs to (for moments)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in FLOAT_DTYPES
+
+    def to_dict(self) -> dict:
+        return {"role": self.role, "dtype": self.dtype, "shape": list(self.shape),
+                "layer_type": self.layer_type, "param": self.param}
+
+    @classmethod
+    def from_dict(cls, name: str, d: dict) -> "TensorRecord":
+        return cls(name, d["role"], d["dtype"], tuple(d["shape"]), d.get("layer_type", "other"), d.get("param"))
+
+
+@dataclass
+class FlatState:
+    """A training state as records + tensors + skeleton. ``tensors`` and ``records`` share keys."""
+
+    tensors: dict[str, torch.Tensor]
+    records: dict[str, TensorRecord]
+    skeleton: object                       # JSON-able tree with {"__t": "tensor", "ref": name} leaves
+    extra: dict = field(default_factory=dict)  # flatten-time facts (e.g. how params were linked)
+
+    def by_role(self, *roles: str) -> list[TensorRecord]:
+        return [r for r in self.records.values() if r.role in roles]
+
+
+# ---------------------------------------------------------------------------------------------
+# layer types from the module tree
+
+def layer_types(model: nn.Module) -> dict[str, str]:
+    """state_dict key -> layer type, from each tensor's owning module."""
+    out: dict[str, str] = {}
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, nn.Embedding | nn.EmbeddingBag):
+            kind = "embedding"
+        elif isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D":  # HF GPT-2 uses Conv1D as linear
+            kind = "linear"
+        elif isinstance(mod, nn.modules.conv._ConvNd):
+            kind = "conv"
+        elif isinstance(mod, _NORMS) or "norm" in type(mod).__name__.lower():
+            kind = "norm"
+        else:
+            kind = "other"
+        prefix = f"{mod_name}." if mod_name else ""
+        for pname, _ in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
+            key = prefix + pname
+            out[key] = "bias" if pname == "bias" and kind != "norm" else kind
+    return out
+
+
+def _param_names(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[int, str]:
+    """Optimizer state index -> model parameter name (the order optimizer.state_dict() numbers them)."""
+    if model is None or optimizer is None:
+        return {}
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    out, idx = {}, 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in by_id:
+                out[idx] = by_id[id(p)]
+            idx += 1
+    return out
+
+
+def _infer_param_names(model_sd: dict, opt_sd: dict) -> dict[int, str]:
+    """Without the live objects, link optimizer indices to state_dict keys by order and shape.
+
+    Parameters appear in state_dict order for the usual ``Optimizer(model.parameters())``; buffers
+    are skipped by requiring every shape to match. Returns {} when the match is not exact.
+    """
+    groups = opt_sd.get("param_groups") or []
+    ids = [i for g in groups if isinstance(g, dict) for i in g.get("params", [])]
+    state = opt_sd.get("state") or {}
+    keys = [k for k, v in model_sd.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
+            and not k.endswith(("running_mean", "running_var"))]
+    if len(keys) != len(ids):
+        return {}
+    out = {}
+    for i, k in zip(ids, keys):
+        st = state.get(i, {})
+        shapes = {tuple(v.shape) for n, v in st.items() if isinstance(v, torch.Tensor) and n in MOMENT_ROLES}
+        if shapes and shapes != {tuple(model_sd[k].shape)}:
+            return {}
+        out[i] = k
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# flatten / unflatten
+
+def flatten_state(state: dict, model: nn.Module | None = None,
+                  optimizer: torch.optim.Optimizer | None = None) -> FlatState:
+    """Split a training state into tensor records and an exact JSON skeleton (no pickle)."""
+    if not isinstance(state, dict):
+        raise TypeError(f"training state must be a dict, got {type(state).__name__}")
+    model_sd = state.get("model") if isinstance(state.get("model"), dict) else None
+    opt_sd = state.get("optimizer") if isinstance(state.get("optimizer"), dict) else None
+    ltypes = layer_types(model) if model is not None else {}
+    pnames = _param_names(model, optimizer)
+    link = "live" if pnames else ""
+    if not pnames and model_sd is not None and opt_sd is not None:
+        pnames = _infer_param_names(model_sd, opt_sd)
+        link = "inferred" if pnames else "none"
+    params = set(dict(model.named_parameters()).keys()) if model is not None else None
+
+    tensors: dict[str, torch.Tensor] = {}
+    records: dict[str, TensorRecord] = {}
+
+    def record(path: list, t: torch.Tensor) -> dict:
+        name = "/".join(str(p) for p in path)
+        if name in tensors:
+            raise ValueError(f"two tensors map to the record name {name!r}; rename one of the keys")
+        role, ltype, param = "tensor", "other", None
+        if len(path) == 2 and path[0] == "model" and model_sd is not None:
+            key = str(path[1])
+            param = key
+            is_param = key in params if params is not None else t.is_floating_point() and not key.endswith(
+                ("running_mean", "running_var"))
+            role = "weight" if is_param else "buffer"
+            ltype = ltypes.get(key, _guess_layer(key, t))
+        elif len(path) == 4 and path[0] == "optimizer" and path[1] == "state":
+            role = "step" if path[3] == "step" else str(path[3])
+            param = pnames.get(path[2]) if isinstance(path[2], int) else None
+            if param is not None:
+                ltype = ltypes.get(param, _guess_layer(param, model_sd[param]) if model_sd and param in model_sd
+                                   else "other")
+        records[name] = TensorRecord(name, role, dtype_name(t.dtype), tuple(t.shape), ltype, param)
+        tensors[name] = t.detach()
+        return {"__t": "tensor", "ref": name}
+
+    def walk(obj, path):
+        if isinstance(obj, torch.Tensor):
+            return record(path, obj)
+        if isinstance(obj, np.ndarray):
+            # carry the exact bits in a same-width torch dtype; the numpy dtype goes in the skeleton
+            arr = np.ascontiguousarray(obj)
+            carrier = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}.get(arr.dtype.itemsize)
+            if arr.dtype.kind not in "biuf" or carrier is None:
+                raise TypeError(f"numpy array of dtype {arr.dtype} at {'/'.join(map(str, path))} is not supported")
+            ref = record(path, torch.from_numpy(arr.view(carrier).copy()))
+            return {"__t": "ndarray", "ref": ref["ref"], "np": arr.dtype.str}
+        if isinstance(obj, np.generic):
+            return walk(obj.item(), path)
+        if isinstance(obj, dict):
+            if all(isinstance(k, str) and not k.startswith("__t") for k in obj):
+                return {k: walk(v, path + [k]) for k, v in obj.items()}
+            items = []
+            for k, v in obj.items():
+                if not isinstance(k, str | int | float | bool | type(None)):
+                    raise TypeError(f"dict key {k!r} at {'/'.join(map(str, path))} must be str/int/float/bool")
+                items.append([k, walk(v, path + [k])])
+            return {"__t": "dict", "items": items}
+        if isinstance(obj, list):
+            return [walk(v, path + [i]) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            return {"__t": "tuple", "v": [walk(v, path + [i]) for i, v in enumerate(obj)]}
+        if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+            return obj
+        if isinstance(obj, int):
+            return obj
+        if isinstance(obj, float):
+            return obj if math.isfinite(obj) else {"__t": "float", "v": repr(obj)}
+        if isinstance(obj, bytes | bytearray):
+            return {"__t": "bytes", "v": base64.b64encode(bytes(obj)).decode()}
+        if isinstance(obj, torch.dtype):
+            return {"__t": "dtype", "v": str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.Size):
+            return {"__t": "size", "v": list(obj)}
+        raise TypeError(
+            f"cannot store {type(obj).__name__} at {'/'.join(map(str, path)) or '<root>'} without pickle; "
+            "convert it to tensors, numbers, strings, lists or dicts")
+
+    skeleton = walk(state, [])
+    return FlatState(tensors, records, skeleton, {"param_link": link})
+
+
+def _guess_layer(key: str, t: torch.Tensor) -> str:
+    """Layer type from a state_dict key and shape when no model is at hand."""
+    low = key.lower()
+    if key.endswith("bias"):
+        return "bias"
+    if "emb" in low or "wte" in low or "wpe" in low:
+        return "embedding"
+    if "norm" in low or low.split(".")[-2:-1] in (["ln"], ["bn"]) or ".ln_" in low or "layernorm" in low:
+        return "norm"
+    if t.dim() >= 3:
+        return "conv"
+    if t.dim() == 2:
+        return "linear"
+    return "other"
+
+
+def unflatten_state(skeleton, tensors: dict[str, torch.Tensor]):
+    """Inverse of flatten_state: rebuild the original objects from the skeleton and tensors."""
+
+    def walk(obj):
+        if isinstance(obj, dict):
+            tag = obj.get("__t")
+            if tag is None:
+                return {k: walk(v) for k, v in obj.items()}
+            if tag == "tensor":
+                return tensors[obj["ref"]]
+            if tag == "ndarray":
+                return tensors[obj["ref"]].contiguous().numpy().view(np.dtype(obj["np"])).copy()
+            if tag == "dict":
+                return {k: walk(v) for k, v in obj["items"]}
+            if tag == "tuple":
+                return tuple(walk(v) for v in obj["v"])
+            if tag == "float":
+                return float(obj["v"])
+            if tag == "bytes":
+                return base64.b64decode(obj["v"])
+            if tag == "dtype":
+                return getattr(torch, obj["v"])
+            if tag == "size":
+                return torch.Size(obj["v"])
+            raise ValueError(f"unknown skeleton tag {tag!r}")
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        return obj
+
+    return walk(skeleton)
+
+
+def skeleton_refs(skeleton) -> list[str]:
+    """Every tensor record name the skeleton refers to (for validating a manifest)."""
+    out: list[str] = []
+
+    def walk(obj):
+        if isinstance(obj, dict):
+            if obj.get("__t") in ("tensor", "ndarray"):
+                out.append(obj["ref"])
+            else:
+                for v in obj.values():
+                    walk(v)
+        elif isinstance(obj, list):
+            for v in obj:
+                walk(v)
+
+    walk(skeleton)
+    return out

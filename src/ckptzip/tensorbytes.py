@@ -1,0 +1,66 @@
+"""Exact tensor <-> bytes conversion for every dtype we store (no pickle, little-endian)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# torch dtype name -> (torch dtype, numpy dtype used to carry its bits)
+DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
+    "float64": (torch.float64, np.dtype("<f8")),
+    "float32": (torch.float32, np.dtype("<f4")),
+    "float16": (torch.float16, np.dtype("<f2")),
+    "bfloat16": (torch.bfloat16, np.dtype("<u2")),  # numpy has no bf16: carry the bits
+    "int64": (torch.int64, np.dtype("<i8")),
+    "int32": (torch.int32, np.dtype("<i4")),
+    "int16": (torch.int16, np.dtype("<i2")),
+    "int8": (torch.int8, np.dtype("i1")),
+    "uint8": (torch.uint8, np.dtype("u1")),
+    "bool": (torch.bool, np.dtype("?")),
+}
+# same-width integer type used to view float bits (XOR deltas, byte grouping)
+BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise TypeError(f"tensor dtype {dtype} is not supported; convert it to one of {sorted(DTYPES)}")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name][0]
+    except KeyError:
+        raise TypeError(f"unknown dtype name {name!r}; expected one of {sorted(DTYPES)}") from None
+
+
+def to_numpy_bits(t: torch.Tensor) -> np.ndarray:
+    """Flat numpy array of a tensor's exact bits (bf16 carried as uint16). Moves to CPU if needed."""
+    t = t.detach().contiguous().cpu().reshape(-1)
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def tensor_to_bytes(t: torch.Tensor) -> bytes:
+    """Raw little-endian bytes of a tensor (row-major)."""
+    return to_numpy_bits(t).tobytes()
+
+
+def tensor_from_bytes(buf: bytes | bytearray | memoryview, dtype: str, shape) -> torch.Tensor:
+    """Inverse of tensor_to_bytes; returns a fresh, writable CPU tensor."""
+    tdtype, npdtype = DTYPES[dtype]
+    shape = tuple(int(s) for s in shape)
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if len(buf) != n * npdtype.itemsize:
+        from .errors import CorruptCheckpointError
+
+        raise CorruptCheckpointError(
+            f"tensor data has {len(buf)} bytes, expected {n * npdtype.itemsize} for {dtype}{list(shape)}"
+        )
+    arr = np.frombuffer(buf, dtype=npdtype).copy()
+    if tdtype == torch.bfloat16:
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16).reshape(shape)
+    return torch.from_numpy(arr).reshape(shape)
