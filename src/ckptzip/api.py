@@ -1,0 +1,149 @@
+"""``Compressor``: compressed checkpoints in a plain PyTorch loop, in a few lines.
+
+    ck = ckptzip.Compressor(model, optimizer, "runs/ckpt", method="dynaquant",
+                            threshold=0.01, eval_fn=evaluate, scheduler=scheduler)
+    step = ck.restore() or 0          # resumes model, optimizer, scheduler, RNG; None if empty
+    ...
+    if step % 500 == 0: ck.save(step)
+
+What a bit-exact resume needs besides the (possibly lossy) tensors is saved exactly: optimizer step
+counts and param_groups, the scheduler, torch / numpy / python (and CUDA) RNG states, the step.
+"""
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .chain import CheckpointChain, Entry, KeyframePolicy, RetentionPolicy
+from .methods.base import EncodeContext
+
+
+def rng_state() -> dict:
+    out = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(st: dict) -> None:
+    torch.set_rng_state(st["torch"])
+    np.random.set_state(st["numpy"])
+    random.setstate(_tuples(st["python"]))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def _tuples(x):
+    # random.setstate wants tuples all the way down
+    return tuple(_tuples(v) for v in x) if isinstance(x, list | tuple) else x
+
+
+class Compressor:
+    """Save/restore a training run's full state into a compressed chain.
+
+    Methods without a config search accept and ignore ``threshold`` and ``eval_fn``.
+    Gradient capture for DynaQuant's sensitivity metric installs itself: hooks record a gradient
+    EMA only in the ``grad_window`` backward passes before a save (the save interval is learned
+    from the first saves, or given as ``save_every``); outside that window they cost nothing.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, url,
+                 method: str = "lossless", *, config=None, threshold: float = 0.01,
+                 eval_fn: Callable[[torch.nn.Module], float] | None = None, higher_is_better: bool = False,
+                 scheduler=None, extra_state: Callable[[], dict] | None = None,
+                 keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
+                 storage_options: dict | None = None, save_every: int | None = None, grad_window: int = 50,
+                 async_save: bool = False, engine_options=None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not 0 <= threshold < 1:
+            raise ValueError(f"threshold is a relative degradation in [0, 1), got {threshold}")
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.eval_fn, self.threshold, self.higher_is_better = eval_fn, threshold, higher_is_better
+        self.extra_state = extra_state
+        self.chain = CheckpointChain(url, method, config, keyframe=keyframe, retention=retention,
+                                     storage_options=storage_options)
+        self._recorder = None
+        if _wants_gradients(self.chain.method):
+            from .sensitivity import GradientRecorder
+
+            self._recorder = GradientRecorder(model, window=grad_window, save_every=save_every)
+        self._engine = None
+        if async_save:
+            from .engine import AsyncCheckpointEngine
+
+            self._engine = AsyncCheckpointEngine(url, method, config, options=engine_options,
+                                                 keyframe=keyframe, retention=retention,
+                                                 storage_options=storage_options)
+
+    # --------------------------------------------------------------------------------------
+    def state(self, step: int) -> dict:
+        st = {"model": self.model.state_dict(), "step": int(step), "rng": rng_state()}
+        if self.optimizer is not None:
+            st["optimizer"] = self.optimizer.state_dict()
+        if self.scheduler is not None:
+            st["scheduler"] = self.scheduler.state_dict()
+        if self.extra_state is not None:
+            st["extra"] = self.extra_state()
+        return st
+
+    def save(self, step: int) -> Entry | object:
+        """Checkpoint the run at ``step``. Returns the committed entry (or an async handle)."""
+        grads = self._recorder.on_save(step) if self._recorder is not None else None
+        ctx = EncodeContext(step=int(step), model=self.model, eval_fn=self.eval_fn, threshold=self.threshold,
+                            higher_is_better=self.higher_is_better, gradients=grads)
+        if self._engine is not None:
+            return self._engine.save(self.state(step), step, model=self.model, optimizer=self.optimizer, ctx=ctx)
+        return self.chain.save(self.state(step), step, model=self.model, optimizer=self.optimizer, ctx=ctx)
+
+    def restore(self, step: int | None = None) -> int | None:
+        """Load ``step`` (latest when None) into model, optimizer, scheduler and RNG; None if empty."""
+        if self._engine is not None:
+            found = self._engine.restore(step)
+            if found is None:
+                return None
+            state, step = found
+        else:
+            if not self.chain.steps():
+                return None
+            state = self.chain.load(step)
+        self.model.load_state_dict(state["model"])
+        if self.optimizer is not None and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if "rng" in state:
+            set_rng_state(state["rng"])
+        self.restored_extra = state.get("extra")
+        if self._recorder is not None:
+            self._recorder.on_restore(int(state["step"]))
+        return int(state["step"])
+
+    def wait(self) -> None:
+        """Block until every pending asynchronous save is committed (re-raises agent errors)."""
+        if self._engine is not None:
+            self._engine.wait()
+
+    def close(self) -> None:
+        """Flush pending work; release hooks, processes and the method's resources."""
+        try:
+            if self._engine is not None:
+                self._engine.close()
+        finally:
+            if self._recorder is not None:
+                self._recorder.close()
+            self.chain.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _wants_gradients(method) -> bool:
+    cfg = getattr(method, "config", None)
+    return bool(getattr(method, "uses_gradients", False) or getattr(cfg, "prune_metric", None) == "sensitivity")
