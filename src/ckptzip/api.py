@@ -68,9 +68,7 @@ class Compressor:
                                      storage_options=storage_options)
         self._recorder = None
         if _wants_gradients(self.chain.method):
-            from .sensitivity import GradientRecorder
-
-            self._recorder = GradientRecorder(model, window=grad_window, save_every=save_every)
+            self._recorder = SaveWindowRecorder(model, window=grad_window, save_every=save_every)
         self._engine = None
         if async_save:
             from .engine import AsyncCheckpointEngine
@@ -142,6 +140,48 @@ class Compressor:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class SaveWindowRecorder:
+    """Arms a GradientRecorder for the ``window`` training forward passes before each expected save.
+
+    The loop never tells us its step, so a forward pre-hook on the model counts training passes
+    (``model.training`` with grad enabled: evaluation passes do not count). The save interval is
+    ``save_every`` when given, else learned from the passes between the last two saves; before it
+    is known (the first save) nothing is recorded and sensitivity falls back to magnitude.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, window: int = 50, save_every: int | None = None,
+                 beta: float = 0.9):
+        from .sensitivity import GradientRecorder
+
+        self.rec = GradientRecorder(model, beta=beta, window=window)
+        self.window, self.interval, self.count = window, save_every, 0
+        self._hook = model.register_forward_pre_hook(self._on_forward)
+
+    def _on_forward(self, module, args) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        self.count += 1
+        if self.interval is not None and not self.rec.armed and self.interval - self.count < self.window:
+            self.rec.arm()
+
+    def on_save(self, step: int) -> dict[str, torch.Tensor] | None:
+        """Gradient EMAs recorded in this window (None if none), then reset for the next window."""
+        grads = self.rec.gradients() if self.rec.steps > 0 else None
+        self.rec.disarm()
+        if self.count > 0:
+            self.interval = self.interval or self.count
+        self.count = 0
+        return grads or None
+
+    def on_restore(self, step: int) -> None:
+        self.rec.disarm()
+        self.count = 0
+
+    def close(self) -> None:
+        self._hook.remove()
+        self.rec.close()
 
 
 def _wants_gradients(method) -> bool:

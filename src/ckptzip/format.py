@@ -57,7 +57,10 @@ def encode_container(manifest: dict, blobs: dict[str, bytes]) -> bytes:
     manifest["format_version"] = FORMAT_VERSION
     keys = sorted(blobs)
     manifest["blobs"] = {k: {"nbytes": len(blobs[k]), "sha256": sha256(blobs[k])} for k in keys}
-    header = _header_bytes(_dumps(manifest), [(k, len(blobs[k])) for k in keys])
+    # the manifest keeps insertion order (no sort_keys): the skeleton's dict order is the state's key
+    # order (state_dict order, which param-link inference relies on); the reader uses the string verbatim
+    mstr = json.dumps(manifest, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    header = _header_bytes(mstr, [(k, len(blobs[k])) for k in keys])
     return b"".join([struct.pack("<Q", len(header)), header, *(blobs[k] for k in keys)])
 
 
@@ -76,7 +79,7 @@ def decode_container(data: bytes | memoryview, *, name: str = "checkpoint", veri
     raw = bytes(data[8:8 + n])
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # deep nesting: RecursionError
         raise bad(f"header is not valid JSON ({e.__class__.__name__}); the file is corrupt or not a checkpoint") from None
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(meta, dict) or MAGIC_KEY not in meta:
@@ -84,7 +87,7 @@ def decode_container(data: bytes | memoryview, *, name: str = "checkpoint", veri
                   "ingest model files with `ckptzip compress`")
     try:
         version = int(meta[MAGIC_KEY])
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # JSON admits Infinity, which int() refuses
         raise bad(f"format version {meta[MAGIC_KEY]!r} is not an integer") from None
     if version > FORMAT_VERSION:
         raise FormatVersionError(f"{name}: written by format version {version}, this ckptzip reads up to "
@@ -94,14 +97,14 @@ def decode_container(data: bytes | memoryview, *, name: str = "checkpoint", veri
         raise bad("manifest checksum mismatch")
     try:
         manifest = json.loads(mstr)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         raise bad("manifest is not valid JSON") from None
     bl = manifest.get("blobs") if isinstance(manifest, dict) else None
     if not isinstance(bl, dict):
         raise bad("manifest has no blob table")
     try:
         sizes = [(k, int(bl[k]["nbytes"])) for k in sorted(bl)]
-    except (TypeError, KeyError, ValueError):
+    except (TypeError, KeyError, ValueError, OverflowError):
         raise bad("malformed blob table") from None
     if _header_bytes(mstr, sizes) != raw:
         raise bad("header does not match its manifest (corrupt header bytes)")

@@ -196,6 +196,8 @@ def flatten_state(state: dict, model: nn.Module | None = None,
             return {"__t": "dict", "items": items}
         if isinstance(obj, list):
             return [walk(v, path + [i]) for i, v in enumerate(obj)]
+        if isinstance(obj, torch.Size):  # before tuple: Size subclasses it
+            return {"__t": "size", "v": list(obj)}
         if isinstance(obj, tuple):
             return {"__t": "tuple", "v": [walk(v, path + [i]) for i, v in enumerate(obj)]}
         if isinstance(obj, bool) or obj is None or isinstance(obj, str):
@@ -208,8 +210,6 @@ def flatten_state(state: dict, model: nn.Module | None = None,
             return {"__t": "bytes", "v": base64.b64encode(bytes(obj)).decode()}
         if isinstance(obj, torch.dtype):
             return {"__t": "dtype", "v": str(obj).removeprefix("torch.")}
-        if isinstance(obj, torch.Size):
-            return {"__t": "size", "v": list(obj)}
         raise TypeError(
             f"cannot store {type(obj).__name__} at {'/'.join(map(str, path)) or '<root>'} without pickle; "
             "convert it to tensors, numbers, strings, lists or dicts")

@@ -58,27 +58,35 @@ def decompress(blob: bytes | memoryview) -> bytes:
     blob = memoryview(blob)
     try:
         width, flags, n = struct.unpack_from("<BBQ", blob, 0)
-        if width not in _UINT:
+        if width not in _UINT or flags & ~1 or (flags and width == 1):  # compress never writes these
             raise ValueError
         lens = struct.unpack_from(f"<{width}I", blob, 10)
     except (struct.error, ValueError):
         raise CorruptCheckpointError("byte-grouped blob has a malformed header") from None
     off = 10 + 4 * width
-    planes = np.empty((width, n), dtype=np.uint8)
+    end = off + sum(ln & ~_RAW for ln in lens)
+    if end != len(blob):
+        raise CorruptCheckpointError("byte-grouped blob has trailing bytes" if end < len(blob) else
+                                     f"byte-grouped blob is truncated: {len(blob)} bytes, its planes need {end}")
     dctx = zstandard.ZstdDecompressor()
     for i, ln in enumerate(lens):
         size = ln & ~_RAW
         chunk = blob[off:off + size]
         off += size
         try:
+            # check the size a plane promises before allocating: a corrupt word count or frame
+            # header must not ask for terabytes (MemoryError is not a typed error)
+            promised = size if ln & _RAW else zstandard.frame_content_size(chunk)
+            if promised != n:
+                raise CorruptCheckpointError(f"byte plane {i} holds {promised} bytes, expected {n}")
             p = bytes(chunk) if ln & _RAW else dctx.decompress(chunk, max_output_size=n)
         except zstandard.ZstdError as e:
             raise CorruptCheckpointError(f"byte plane {i} fails to decompress: {e}") from None
         if len(p) != n:
             raise CorruptCheckpointError(f"byte plane {i} has {len(p)} bytes, expected {n}")
+        if i == 0:
+            planes = np.empty((width, n), dtype=np.uint8)
         planes[i] = np.frombuffer(p, dtype=np.uint8)
-    if off != len(blob):
-        raise CorruptCheckpointError("byte-grouped blob has trailing bytes")
     words = np.ascontiguousarray(planes[::-1].T).view(_UINT[width]).reshape(-1)
     if flags & 1:
         words = _rotr1(words, 8 * width)

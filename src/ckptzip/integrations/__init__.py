@@ -1,0 +1,1 @@
+"""Framework integrations: Lightning (lightning.py) and Hugging Face transformers (hf.py)."""
