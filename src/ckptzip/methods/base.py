@@ -191,15 +191,21 @@ def available_methods() -> list[str]:
 # --- exact storage shared by every method (scalars, ints, small tensors, tensors a lossy method skips)
 
 EXACT_PIPELINE = ["exact/1", "bytegroup/1"]
+_RAW_BELOW_BYTES = 256  # byte-group headers and zstd frames cost more than they save on tiny tensors
 
 
 def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3) -> None:
-    enc.add(name, EXACT_PIPELINE, {}, data=bytegroup.compress(tensor_to_bytes(t), t.element_size(),
+    raw = tensor_to_bytes(t)
+    if len(raw) < _RAW_BELOW_BYTES:
+        enc.add(name, ["exact/1", "raw/1"], {}, data=raw)
+        return
+    enc.add(name, EXACT_PIPELINE, {}, data=bytegroup.compress(raw, t.element_size(),
                                                               float_bits=t.is_floating_point(), level=level))
 
 
 def decode_exact(enc: Encoded, name: str, rec: TensorRecord) -> torch.Tensor:
-    raw = bytegroup.decompress(enc.blob(name, "data"))
+    data = enc.blob(name, "data")
+    raw = data if "raw/1" in enc.records[name]["pipeline"] else bytegroup.decompress(data)
     return tensor_from_bytes(raw, rec.dtype, rec.shape)
 
 

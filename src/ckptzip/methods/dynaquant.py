@@ -1,0 +1,264 @@
+"""Method ``dynaquant``: DynaQuant / Inshrinkerator (quantizer + quantization-aware delta encoder).
+
+Per checkpoint:
+1. choose a quantizer config: the user's fixed one, or (with ``eval_fn``) the config search of
+   search/ against the quality threshold;
+2. weights: partition per layer type (prune / quantize / protect, thresholds from merged
+   LogSketches), approximate weighted k-means codes (quant/dynaquant.py);
+3. Adam moments (``optimizer="quantize"``): v = exp_avg_sq in the log domain; m = exp_avg
+   normalized by Adam's denominator sqrt(v_hat)+eps before quantization and rebuilt from the
+   *decoded* v, so the restored update direction carries only m's own error (measured in
+   bench/table7.py); SGD momentum as is. Moments are never pruned;
+4. codes: cyclic delta against the previous checkpoint's codes (B = the larger level count),
+   rearranged by source bucket, run-length + Huffman (codec/entropy.py); keyframes without delta;
+5. everything else (biases, norms, small tensors, buffers, step counts) exact.
+
+Record layout (quantized): blobs ``codes`` (codec/entropy.encode_codes buffer, self-describing),
+``codebook`` (fp32 little-endian, n_levels values: 0, centers..., NaN for the protected level),
+``protected`` (bf16 values in index order); meta ``n_levels``, ``domain``, the layer type's
+thresholds, and for normalized exp_avg ``adam`` = {"v": record of v, "step", "beta1", "beta2", "eps"}.
+The reference kept between saves is the integer codes of every quantized record.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..codec.entropy import decode_codes, encode_codes
+from ..errors import ConfigError, CorruptCheckpointError
+from ..quant import dynaquant as dq
+from ..quant.base import QuantizedTensor
+from ..state import FlatState, TensorRecord
+from ..tensorbytes import tensor_from_bytes, tensor_to_bytes
+from .base import (DecodeContext, EncodeContext, Encoded, Method, Reference, decode_exact, encode_exact, is_exact,
+                   register)
+
+_OPT_RE = re.compile(r"^optimizer/state/(\d+)/(\w+)$")
+
+
+@dataclass(frozen=True)
+class DynaQuantMethodConfig:
+    # quantizer knobs (the config search overrides these per checkpoint when eval_fn is given)
+    bins: int = 16                   # k for non-embedding layers
+    embedding_bins: int = 32         # k for embedding layers (never pruned)
+    prune_fraction: float = 0.1      # F_prun per layer type
+    prune_metric: str = "magnitude"  # "magnitude" | "sensitivity"
+    protect_fraction: float = 0.005  # F_prot (half by magnitude, half by sensitivity)
+    alpha: float = 0.01              # LogSketch relative accuracy
+    sigma: float = 0.2               # k-means weight: sigma*frequency + (1-sigma)*magnitude
+    min_numel: int = 1024            # smaller tensors are stored exact
+    # optimizer state
+    optimizer: str = "quantize"      # "quantize" (Adam m/v, momentum) | "lossless"
+    moment_bins: int = 16            # k for optimizer moments
+    # delta encoder
+    coder: str = "huffman"           # "huffman" | "ans" | "zstd"
+    rearrange: bool = True           # group deltas by source bucket before RLE (paper section 6.3)
+    rle: bool = True
+    delta_moments: bool = False      # moments change wholesale between saves: delta only helps weights
+    # config search (used only when the caller gives eval_fn)
+    search: bool = True
+    search_policy: str = "monotone"  # "monotone": never more aggressive than the previous best; "free"
+    search_neighbourhood: int = 1    # e: steps from the previous best in the steady state
+
+    def __post_init__(self):
+        if self.optimizer not in ("quantize", "lossless"):
+            raise ConfigError(f"optimizer must be 'quantize' or 'lossless', got {self.optimizer!r}")
+        if self.coder not in ("huffman", "ans", "zstd"):
+            raise ConfigError(f"coder must be 'huffman', 'ans' or 'zstd', got {self.coder!r}")
+        if self.search_policy not in ("monotone", "free"):
+            raise ConfigError(f"search_policy must be 'monotone' or 'free', got {self.search_policy!r}")
+        self.quantizer()  # validates the quantizer knobs
+
+    def quantizer(self, **overrides) -> dq.DynaQuantConfig:
+        q = dq.DynaQuantConfig(bins=self.bins, embedding_bins=self.embedding_bins,
+                               prune_fraction=self.prune_fraction, prune_metric=self.prune_metric,
+                               protect_fraction=self.protect_fraction, alpha=self.alpha, sigma=self.sigma,
+                               min_numel=self.min_numel)
+        return replace(q, **overrides) if overrides else q
+
+
+QUANTIZER_KNOBS = ("bins", "embedding_bins", "prune_fraction", "prune_metric", "protect_fraction")
+
+
+def weight_records(state: FlatState, cfg: dq.DynaQuantConfig) -> dict[str, TensorRecord]:
+    """The weight records DynaQuant quantizes (float, quantizable layer type, large enough)."""
+    return {n: r for n, r in state.records.items()
+            if r.role == "weight" and r.is_float and dq.is_quantizable(r.layer_type, "weight", r.numel,
+                                                                        min_numel=cfg.min_numel)
+            and bool(torch.isfinite(state.tensors[n]).all())}
+
+
+def quantize_weights(state: FlatState, cfg: dq.DynaQuantConfig, gradients=None) -> dict[str, QuantizedTensor]:
+    """Quantize every DynaQuant-quantizable weight of ``state`` under ``cfg`` (used by the search too)."""
+    recs = weight_records(state, cfg)
+    if not recs:
+        return {}
+    grads = None
+    if gradients:
+        grads = {n: gradients[r.param] for n, r in recs.items() if r.param in gradients}
+    plan = dq.fit_layer_thresholds({n: (state.tensors[n], r.layer_type, "weight") for n, r in recs.items()},
+                                   cfg, grads)
+    return {n: dq.quantize(state.tensors[n], n, plan) for n in plan.tensors}
+
+
+def _adam_hparams(state: FlatState) -> dict[int, tuple[float, float, float]]:
+    """optimizer param index -> (beta1, beta2, eps) from the skeleton's param_groups (Adam family)."""
+    out = {}
+    opt = state.skeleton.get("optimizer") if isinstance(state.skeleton, dict) else None
+    for g in (opt or {}).get("param_groups", []) if isinstance(opt, dict) else []:
+        betas = g.get("betas") if isinstance(g, dict) else None
+        if isinstance(betas, dict) and betas.get("__t") == "tuple":
+            betas = betas["v"]
+        if isinstance(betas, list) and len(betas) == 2 and isinstance(g.get("eps"), float | int):
+            for i in g.get("params", []):
+                out[int(i)] = (float(betas[0]), float(betas[1]), float(g["eps"]))
+    return out
+
+
+@register
+class DynaQuantMethod(Method):
+    name = "dynaquant"
+    version = 1
+    config_cls = DynaQuantMethodConfig
+    uses_gradients = True  # the search tries both prune metrics
+
+    def __init__(self, config=None, **overrides):
+        super().__init__(config, **overrides)
+        self.search_state = None  # the config search's memory between saves (previous best, ...)
+
+    # ----------------------------------------------------------------------------------------
+    def encode(self, state: FlatState, reference: Reference | None, *, ctx: EncodeContext) -> tuple[Encoded, Reference]:
+        c = self.config
+        prev = reference.data if reference is not None else {}
+        enc = Encoded(keyframe=reference is None)
+        t0 = time.perf_counter()
+        qcfg, search_info = self._choose(state, reference, ctx)
+        search_s = time.perf_counter() - t0
+        quantized = quantize_weights(state, qcfg, ctx.gradients)
+        quantized.update(self._quantize_moments(state, qcfg))
+        codes_ref: dict[str, tuple[torch.Tensor, int]] = {}
+        for name, rec in state.records.items():
+            q = quantized.get(name)
+            if q is None:
+                encode_exact(enc, name, state.tensors[name])
+                continue
+            is_moment = rec.role != "weight"
+            p = prev.get(name) if (reference is not None and (not is_moment or c.delta_moments)) else None
+            if p is not None and p[0].numel() != q.numel:
+                p = None
+            B = max(q.n_levels, p[1]) if p is not None else q.n_levels
+            blob = encode_codes(p[0].long() if p is not None else None, q.codes, B, rearrange=c.rearrange, rle=c.rle,
+                                coder=c.coder)
+            pipeline = ["dynaquant/1"] + (["cyclic-delta/1"] + (["rearrange/1"] if c.rearrange else [])
+                                          if p is not None else []) + (["rle/1"] if c.rle else []) + [f"{c.coder}/1"]
+            meta = {"n_levels": q.n_levels, "delta": p is not None,
+                    **{k: v for k, v in q.meta.items() if k in ("domain", "k", "n_pruned", "n_protected",
+                                                                "prune_threshold", "sensitivity_fallback")}}
+            if "adam" in q.meta:
+                meta["adam"] = q.meta["adam"]
+            enc.add(name, pipeline, meta, codes=blob, codebook=tensor_to_bytes(q.codebook.float().cpu()),
+                    protected=tensor_to_bytes(q.side["protected"].to(torch.bfloat16).cpu()))
+            codes_ref[name] = (_compact(q.codes), q.n_levels)
+        enc.meta["summary"] = {**{k: getattr(qcfg, k) for k in QUANTIZER_KNOBS}, **search_info,
+                               "search_s": round(search_s, 3)}
+        return enc, Reference(ctx.step, codes_ref)
+
+    def _choose(self, state: FlatState, reference, ctx: EncodeContext):
+        base = self.config.quantizer()
+        if not (self.config.search and ctx.eval_fn is not None and ctx.model is not None):
+            return base, {"search": "off"}
+        from ..search.strategies import search_config
+
+        qcfg, info, self.search_state = search_config(self, state, reference, ctx, self.search_state)
+        return qcfg, info
+
+    def _quantize_moments(self, state: FlatState, qcfg: dq.DynaQuantConfig) -> dict[str, QuantizedTensor]:
+        if self.config.optimizer != "quantize":
+            return {}
+        hp = _adam_hparams(state)
+        by_param: dict[int, dict[str, str]] = {}
+        for name in state.records:
+            m = _OPT_RE.match(name)
+            if m:
+                by_param.setdefault(int(m.group(1)), {})[m.group(2)] = name
+        out: dict[str, QuantizedTensor] = {}
+        mcfg = replace(qcfg, bins=self.config.moment_bins, embedding_bins=self.config.moment_bins,
+                       prune_fraction=0.0)
+        for idx, names in by_param.items():
+            for role in ("exp_avg_sq", "exp_avg", "momentum_buffer"):
+                name = names.get(role)
+                if name is None:
+                    continue
+                rec, t = state.records[name], state.tensors[name]
+                if not (rec.is_float and t.numel() >= qcfg.min_numel and bool(torch.isfinite(t).all())):
+                    continue
+                cfg = dq.config_for_role(mcfg, role if role != "momentum_buffer" else "exp_avg")
+                x = t
+                adam = None
+                vname, sname = names.get("exp_avg_sq"), names.get("step")
+                if role == "exp_avg" and vname in out and sname and idx in hp:
+                    step = float(state.tensors[sname])
+                    if step >= 1:
+                        b1, b2, eps = hp[idx]
+                        # normalize by the *decoded* v, as the decoder will
+                        v_q = dq.dequantize(out[vname])
+                        x = t.float() / dq.adam_denominator(v_q, step, (b1, b2), eps)
+                        adam = {"v": vname, "step": step, "beta1": b1, "beta2": b2, "eps": eps}
+                plan = dq.fit_layer_thresholds({name: (x, rec.layer_type if rec.layer_type in dq.LAYER_TYPES
+                                                        else "other", role if role != "momentum_buffer"
+                                                        else "exp_avg")}, cfg)
+                if name not in plan.tensors:
+                    continue
+                q = dq.quantize(x, name, plan)
+                q.dtype = rec.dtype
+                if adam is not None:
+                    q.meta["adam"] = adam
+                out[name] = q
+        return out
+
+    # ----------------------------------------------------------------------------------------
+    def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
+               *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
+        prev = reference.data if reference is not None else {}
+        out: dict[str, torch.Tensor] = {}
+        codes_ref = {}
+        pending_m = []
+        for name, rec in records.items():
+            if is_exact(encoded, name):
+                out[name] = decode_exact(encoded, name, rec)
+                continue
+            meta = encoded.records[name]["meta"]
+            n_levels = int(meta["n_levels"])
+            p = prev.get(name) if meta.get("delta") else None
+            if meta.get("delta") and p is None:
+                raise CorruptCheckpointError(f"record {name!r} is a delta but the parent checkpoint has no codes for it")
+            codes = decode_codes(encoded.blob(name, "codes"), p[0].long() if p is not None else None)
+            codebook = tensor_from_bytes(encoded.blob(name, "codebook"), "float32", (n_levels,))
+            prot = encoded.blob(name, "protected")
+            protected = tensor_from_bytes(prot, "bfloat16", (len(prot) // 2,))
+            q = QuantizedTensor(codes=codes, n_levels=n_levels, codebook=codebook, shape=rec.shape,
+                                dtype="float32" if "adam" in meta else rec.dtype, side={"protected": protected})
+            try:
+                out[name] = dq.dequantize(q)
+            except ValueError as e:
+                raise CorruptCheckpointError(f"record {name!r}: {e}") from None
+            if "adam" in meta:
+                pending_m.append((name, rec, meta["adam"]))
+            codes_ref[name] = (_compact(codes), n_levels)
+        for name, rec, a in pending_m:  # m = u * (sqrt(v_hat) + eps) with the decoded v
+            v = out.get(a["v"])
+            if v is None:
+                raise CorruptCheckpointError(f"record {name!r} needs {a['v']!r}, which the file lacks")
+            out[name] = dq.denormalize_exp_avg(out[name], v, a["step"], (a["beta1"], a["beta2"]), a["eps"],
+                                               dtype=getattr(torch, rec.dtype))
+        return {n: t.to(ctx.device) for n, t in out.items()}, Reference(ctx.step, codes_ref)
+
+
+def _compact(codes: torch.Tensor) -> torch.Tensor:
+    """Codes kept as the reference in the narrowest dtype (the reference is the method's memory)."""
+    codes = codes.detach().reshape(-1).cpu()
+    hi = int(codes.max()) if codes.numel() else 0
+    return codes.to(torch.uint8 if hi < 256 else torch.int16 if hi < 32768 else torch.int32)

@@ -1,0 +1,466 @@
+"""DynaQuant quantizer: prune / quantize (approximate k-means) / protect (Inshrinkerator §4).
+
+Every element of a quantizable tensor lands in one of three groups:
+
+- **protected** (kept in bfloat16): the top F_prot/2 by magnitude |theta| UNION the top F_prot/2
+  by sensitivity |theta * g_ema| (paper §4.2, tau^m_prot = Q(|Theta|, F_prot/2),
+  tau^s_prot = Q(Sens(Theta), F_prot/2)). Protection wins over pruning.
+- **pruned** (set to 0): metric < tau_prun = Q(metric, F_prun), metric = magnitude or
+  sensitivity. Exact zeros always go here too (they cost nothing and keep log-domain safe).
+  Embedding layers are never pruned (paper §5.1).
+- **quantized**: the rest, mapped to the nearest of k centers from approximate k-means on a
+  log-sketch histogram (sketch.py / kmeans.py, paper Alg. 1-3, sigma-weighted).
+
+Thresholds are quantiles of LogSketches MERGED PER LAYER TYPE (one pruning threshold for all
+linear weights, one for all conv weights, ...), as the paper prescribes: per tensor would let
+each layer keep a different share, global would cut one layer type's weights for another's
+distribution. Hence two phases::
+
+    plan = fit_layer_thresholds({name: (tensor, layer_type), ...}, DynaQuantConfig(), grads)
+    q = quantize(x, name, plan)          # -> QuantizedTensor
+    y = dequantize(q)                    # x's shape and dtype
+
+k-means centers are fitted PER TENSOR by default (``center_scope="tensor"``). The paper applies
+Alg. 1 to "the input data points" and notes it uses "the same number of bins across all layers"
+(§5.1): the knob shared across layers is k, not the centers. Per-tensor centers cost k floats per
+tensor and follow each layer's own scale (layer scales within one type differ several-fold, e.g.
+GPT-2's attention vs MLP projections). ``center_scope="layer_type"`` fits one codebook per
+layer type from the merged sketch; on our small runs both need the same bins within about one
+(bench/table7.py), so per tensor stays the default as the robust choice for models whose layers
+of one type differ more.
+
+Codes: 0 = pruned / exact zero, 1..k = bins ordered by value, k+1 = protected; n_levels = k+2.
+codebook[0] = 0, codebook[1..k] = centers (fp32, original domain), codebook[k+1] = NaN; the
+protected values are side["protected"] (bf16) in index order.
+
+What is not quantized (``is_quantizable``): biases and norm parameters (a tiny share of the
+parameters and the most sensitive to error), buffers and step counters, and any tensor with fewer
+than ``min_numel`` elements (default 1024: below that, the codebook and side data cost about as
+much as the codes save and such tensors are a negligible share of a model). Callers keep those
+exact; ``fit_layer_thresholds`` lists them in ``plan.skipped``.
+
+Optimizer state (Adam): the same machinery runs in a value *domain*: k-means and nearest-center
+assignment happen on f(x) and the codebook stores f^-1(centers), so dequantize is a plain lookup.
+exp_avg_sq (v) spans many orders of magnitude and a linear grid keeps only the largest ones: "log"
+(needs x >= 0; exact zeros take the zero level) keeps its relative precision, "sqrt" (signed) is
+in between. bench/table7.py measures the relative error of Adam's direction m_hat/(sqrt(v_hat)+eps)
+(digits / tiny GPT-2, k=16, mean of 3 checkpoints):
+
+    v quantized alone (m exact):  identity .33/.36   sqrt .28/.18   log .12/.07   (sigma=1)
+                                  log with sigma=0.2: .17/.08 (the magnitude term favours large
+                                  *weights*; for moments pure frequency weighting is better)
+    both quantized:  m as is + v identity  .39/.41     m as is + v log  5.6/.30
+                     u = m/(sqrt(v_hat)+eps), decoded as u_q*(sqrt(v_q_hat)+eps), + v log  .086/.093
+
+So the defaults (``config_for_role``): v in "log" with sigma=1 and never pruned (v=0 with m!=0 would
+make the update m/eps); m quantized as the normalized u (``normalize_exp_avg`` /
+``denormalize_exp_avg``; decode v first), which makes the restored direction exactly
+u_q / (1 - beta1^t). Do NOT pair log-domain v with m "as is": an accurate tiny v exposes m's
+absolute quantization error (digits: 5.6, i.e. worse than identity v whose rounding-up of tiny v
+happens to damp it).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..errors import ConfigError, NonFiniteError
+from ..kmeans import approx_kmeans_from_sketch, assign, bucket_weights, weighted_kmeans_1d
+from ..sketch import LogSketch
+from ..tensorbytes import dtype_name, torch_dtype
+from .base import QuantizedTensor, apply_codebook
+
+DESCRIPTOR = "dynaquant/1"
+LAYER_TYPES = ("embedding", "linear", "conv", "norm", "bias", "other")
+QUANTIZABLE_LAYER_TYPES = frozenset({"embedding", "linear", "conv", "other"})
+QUANTIZABLE_ROLES = frozenset({"weight", "exp_avg", "exp_avg_sq", "momentum_buffer", "max_exp_avg_sq"})
+DOMAINS = ("identity", "sqrt", "log")
+# Default domain per role, chosen by the Adam-direction measurement in bench/table7.py.
+# exp_avg stays "identity" because it is meant to be quantized as normalize_exp_avg(m, v) (see above).
+DEFAULT_DOMAIN = {"exp_avg": "identity", "exp_avg_sq": "log", "max_exp_avg_sq": "log"}
+MOMENT_SIGMA = 1.0  # k-means frequency weight for moments (measured better than 0.2, see docstring)
+_NONNEG_ROLES = frozenset({"exp_avg_sq", "max_exp_avg_sq"})
+
+
+@dataclass(frozen=True)
+class DynaQuantConfig:
+    bins: int = 16                   # k for every non-embedding layer (paper searches 4..32)
+    embedding_bins: int = 32         # k for embedding layers, more sensitive (paper: 16 or 32)
+    prune_fraction: float = 0.1      # F_prun per layer type (paper searches 0..0.5); embeddings: 0
+    prune_metric: str = "magnitude"  # "magnitude" |theta| or "sensitivity" |theta * g_ema|
+    protect_fraction: float = 0.005  # F_prot: top F/2 by magnitude UNION top F/2 by sensitivity
+    alpha: float = 0.01              # LogSketch relative error (thresholds and k-means histogram)
+    sigma: float = 0.2               # k-means bucket weight: sigma*freq + (1-sigma)*|value|
+    seed: int = 0                    # k-means++ initialisation seed
+    min_numel: int = 1024            # smaller tensors are kept exact (see module docstring)
+    domain: str = "identity"         # "identity" | "sqrt" | "log": value space of the k-means
+    center_scope: str = "tensor"     # "tensor": centers per tensor; "layer_type": one codebook per type
+
+    def __post_init__(self):
+        for name in ("bins", "embedding_bins"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or not 1 <= v <= 65533:
+                raise ConfigError(f"DynaQuantConfig.{name} must be an int in [1, 65533], got {v!r}")
+        if not 0.0 <= self.prune_fraction < 1.0:
+            raise ConfigError(f"DynaQuantConfig.prune_fraction must be in [0, 1), got {self.prune_fraction}")
+        if not 0.0 <= self.protect_fraction < 1.0:
+            raise ConfigError(f"DynaQuantConfig.protect_fraction must be in [0, 1), got {self.protect_fraction}")
+        if self.prune_fraction + self.protect_fraction >= 1.0:
+            raise ConfigError("DynaQuantConfig: prune_fraction + protect_fraction must be < 1; lower one of them")
+        if self.prune_metric not in ("magnitude", "sensitivity"):
+            raise ConfigError(f"DynaQuantConfig.prune_metric must be 'magnitude' or 'sensitivity', "
+                              f"got {self.prune_metric!r}")
+        if not 0.0 < self.alpha < 1.0:
+            raise ConfigError(f"DynaQuantConfig.alpha must be in (0, 1), got {self.alpha}")
+        if not 0.0 <= self.sigma <= 1.0:
+            raise ConfigError(f"DynaQuantConfig.sigma must be in [0, 1], got {self.sigma}")
+        if not isinstance(self.min_numel, int) or self.min_numel < 1:
+            raise ConfigError(f"DynaQuantConfig.min_numel must be an int >= 1, got {self.min_numel!r}")
+        if self.domain not in DOMAINS:
+            raise ConfigError(f"DynaQuantConfig.domain must be one of {DOMAINS}, got {self.domain!r}")
+        if self.center_scope not in ("tensor", "layer_type"):
+            raise ConfigError(f"DynaQuantConfig.center_scope must be 'tensor' or 'layer_type', "
+                              f"got {self.center_scope!r}")
+
+    def bins_for(self, layer_type: str) -> int:
+        return self.embedding_bins if layer_type == "embedding" else self.bins
+
+
+def config_for_role(config: DynaQuantConfig, role: str) -> DynaQuantConfig:
+    """The config to use for one tensor role: moments get their measured domain; v is never pruned."""
+    if role == "weight":
+        return config
+    out = replace(config, domain=DEFAULT_DOMAIN.get(role, config.domain), prune_metric="magnitude",
+                  sigma=MOMENT_SIGMA)
+    if role in _NONNEG_ROLES:
+        out = replace(out, prune_fraction=0.0)
+    return out
+
+
+def is_quantizable(layer_type: str, role: str, numel: int, *, min_numel: int = 1024) -> bool:
+    """Whether DynaQuant quantizes this tensor; the rest is kept exact by the caller."""
+    return layer_type in QUANTIZABLE_LAYER_TYPES and role in QUANTIZABLE_ROLES and numel >= min_numel
+
+
+# ---------------------------------------------------------------------------------------------
+# value domains: k-means and assignment run on f(x); the codebook holds f^-1(centers)
+
+def _to_domain(x: torch.Tensor, domain: str) -> torch.Tensor:
+    if domain == "identity":
+        return x
+    if domain == "sqrt":
+        return x.sign() * x.abs().sqrt()
+    return x.log()  # "log": callers pass x > 0 only (zeros take the exact-zero level)
+
+
+def _from_domain(y: torch.Tensor, domain: str) -> torch.Tensor:
+    if domain == "identity":
+        return y
+    if domain == "sqrt":
+        return y.sign() * y * y
+    return y.exp()
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+
+@dataclass(frozen=True)
+class LayerTypePlan:
+    """Thresholds (and optionally centers) shared by every tensor of one layer type."""
+
+    layer_type: str
+    bins: int
+    numel: int                          # elements sketched for this type
+    prune_threshold: float | None       # prune where metric < this; None = no pruning
+    protect_magnitude: float | None     # protect where |x| > this; None = no magnitude protection
+    protect_sensitivity: float | None   # protect where |x*g| > this; None = none / fallback
+    sensitivity_fallback: bool          # True: no gradients, sensitivity replaced by magnitude
+    centers: torch.Tensor | None = None  # (k,) in the config's domain, for center_scope="layer_type"
+
+    def to_meta(self) -> dict:
+        return {"layer_type": self.layer_type, "bins": self.bins, "prune_threshold": self.prune_threshold,
+                "protect_magnitude": self.protect_magnitude, "protect_sensitivity": self.protect_sensitivity,
+                "sensitivity_fallback": self.sensitivity_fallback}
+
+
+@dataclass(frozen=True)
+class DynaQuantPlan:
+    config: DynaQuantConfig
+    layer_types: dict[str, LayerTypePlan]
+    tensors: dict[str, str]                           # quantizable name -> layer type
+    skipped: tuple[str, ...] = ()                      # names the caller must keep exact
+    grads: Mapping[str, torch.Tensor] | None = field(default=None, repr=False)  # for sensitivity at quantize
+
+    def sensitivity_fallback(self, name: str) -> bool:
+        return self.layer_types[self.tensors[name]].sensitivity_fallback
+
+
+def _unpack(spec) -> tuple[torch.Tensor, str, str]:
+    if isinstance(spec, torch.Tensor):
+        raise ConfigError("fit_layer_thresholds wants name -> (tensor, layer_type[, role]); got a bare tensor")
+    t, lt, *rest = spec
+    role = rest[0] if rest else "weight"
+    if lt not in LAYER_TYPES:
+        raise ConfigError(f"layer type {lt!r} is not one of {LAYER_TYPES}")
+    return t, lt, role
+
+
+def _flat_f32(x: torch.Tensor, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"{name}: DynaQuant quantizes float tensors, got {getattr(x, 'dtype', type(x))}")
+    xf = x.detach().reshape(-1).to(torch.float32)
+    if not bool(torch.isfinite(xf).all()):
+        raise NonFiniteError(f"{name}: tensor holds inf/NaN; DynaQuant needs finite values (store it exact)")
+    return xf
+
+
+def _grad_for(name: str, xf: torch.Tensor, grads) -> torch.Tensor | None:
+    if grads is None or name not in grads:
+        return None
+    g = grads[name]
+    if g.numel() != xf.numel():
+        raise ConfigError(f"{name}: gradient has {g.numel()} elements, tensor has {xf.numel()}")
+    return g.detach().reshape(-1).to(xf.device, torch.float32)
+
+
+def _check_domain(xf: torch.Tensor, name: str, domain: str) -> None:
+    if domain == "log" and bool((xf < 0).any()):
+        raise ConfigError(f"{name}: domain='log' needs non-negative values (exp_avg_sq); "
+                          f"use domain='sqrt' or 'identity' for signed tensors")
+
+
+def _quantile(sk: LogSketch, q: float) -> float:
+    return float(torch.as_tensor(sk.quantile(q)).reshape(-1)[0])
+
+
+def fit_layer_thresholds(tensors: Mapping[str, tuple], config: DynaQuantConfig = DynaQuantConfig(),
+                         grads: Mapping[str, torch.Tensor] | None = None) -> DynaQuantPlan:
+    """Sketch every quantizable tensor, merged per layer type, into pruning/protection thresholds.
+
+    tensors: name -> (tensor, layer_type) or (tensor, layer_type, role) (role defaults to
+    "weight"; call once per role, since weights and moments have unrelated distributions).
+    grads: name -> g_ema (GradientRecorder.gradients()); a layer type with any tensor lacking a
+    gradient falls back to magnitude for sensitivity (``sensitivity_fallback``; its protection is
+    then the top F_prot by magnitude, so the protected share is kept).
+    """
+    cfg = config
+    groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    skipped = []
+    for name, spec in tensors.items():
+        t, lt, role = _unpack(spec)
+        if not is_quantizable(lt, role, t.numel(), min_numel=cfg.min_numel):
+            skipped.append(name)
+            continue
+        groups.setdefault(lt, []).append((name, t))
+
+    plans: dict[str, LayerTypePlan] = {}
+    for lt, items in groups.items():
+        fallback = grads is None or any(n not in grads for n, _ in items)
+        mag_sk = LogSketch(alpha=cfg.alpha)
+        sens_sk = None if fallback else LogSketch(alpha=cfg.alpha)
+        numel = 0
+        for name, t in items:
+            xf = _flat_f32(t, name)
+            _check_domain(xf, name, cfg.domain)
+            numel += xf.numel()
+            mag_sk.add(xf.abs(), name=name)
+            if sens_sk is not None:
+                sens_sk.add((xf * _grad_for(name, xf, grads)).abs(), name=name)
+        F = cfg.protect_fraction
+        tau_m = tau_s = None
+        if F > 0:
+            if fallback:
+                tau_m = _quantile(mag_sk, 1.0 - F)
+            else:
+                tau_m = _quantile(mag_sk, 1.0 - F / 2)
+                tau_s = _quantile(sens_sk, 1.0 - F / 2)
+        tau_p = None
+        if cfg.prune_fraction > 0 and lt != "embedding":
+            use_sens = cfg.prune_metric == "sensitivity" and not fallback
+            tau_p = _quantile(sens_sk if use_sens else mag_sk, cfg.prune_fraction)
+        plans[lt] = LayerTypePlan(lt, cfg.bins_for(lt), numel, tau_p, tau_m, tau_s, fallback)
+
+    plan = DynaQuantPlan(cfg, plans, {n: lt for lt, items in groups.items() for n, _ in items},
+                         tuple(skipped), grads)
+    if cfg.center_scope == "layer_type":
+        plans = dict(plans)
+        for lt, items in groups.items():
+            sk = LogSketch(alpha=cfg.alpha)
+            for name, t in items:
+                xf = _flat_f32(t, name)
+                part = _partition(xf, name, plan)
+                vals = xf[part == 1]
+                sk.add(vals, name=name)
+            centers = torch.empty(0) if sk.count == 0 else _sketch_centers(sk, plans[lt].bins, cfg)
+            plans[lt] = replace(plans[lt], centers=torch.as_tensor(centers, dtype=torch.float32).reshape(-1))
+        plan = replace(plan, layer_types=plans)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize / dequantize
+
+def _partition(xf: torch.Tensor, name: str, plan: DynaQuantPlan) -> torch.Tensor:
+    """(n,) int8: 0 = pruned / exact zero, 1 = quantized, 2 = protected."""
+    ltp = plan.layer_types[plan.tensors[name]]
+    mag = xf.abs()
+    sens = None if ltp.sensitivity_fallback else _grad_for(name, xf, plan.grads)
+    if sens is not None:
+        sens = (xf * sens).abs()
+    protected = torch.zeros_like(xf, dtype=torch.bool)
+    if ltp.protect_magnitude is not None:
+        protected |= mag > ltp.protect_magnitude
+    if ltp.protect_sensitivity is not None and sens is not None:
+        protected |= sens > ltp.protect_sensitivity
+    pruned = xf == 0
+    if ltp.prune_threshold is not None:
+        metric = sens if (plan.config.prune_metric == "sensitivity" and sens is not None) else mag
+        pruned |= metric < ltp.prune_threshold
+    part = torch.ones_like(xf, dtype=torch.int8)
+    part[pruned] = 0
+    part[protected] = 2  # protection wins over pruning
+    return part
+
+
+def _sketch_centers(sk: LogSketch, k: int, cfg: DynaQuantConfig) -> torch.Tensor:
+    """Algorithm 1 in the config's domain: the sketch is built on original values (so its buckets
+    keep the alpha-relative bound), its bucket representatives are mapped by f and clustered there.
+    Mapping buckets rather than sketching f(x) keeps log-domain resolution at log(gamma) ~ 2 alpha;
+    a sketch of log v would have relative error alpha on |log v| (~0.2 for v ~ 1e-9)."""
+    if cfg.domain == "identity":
+        return approx_kmeans_from_sketch(sk, k, sigma=cfg.sigma, seed=cfg.seed).reshape(-1)
+    centers, counts = sk.histogram()
+    pts = _to_domain(centers.cpu(), cfg.domain)
+    keep = torch.isfinite(pts)  # log: the zero bucket (|x| <= 1e-30) maps to -inf; assign() sends it down
+    pts, counts = pts[keep], counts.cpu()[keep]
+    if pts.numel() <= k:
+        return pts.to(torch.float32)
+    w = bucket_weights(pts, counts, cfg.sigma)
+    return weighted_kmeans_1d(pts, w, k, seed=cfg.seed).to(torch.float32)
+
+
+def _fit_centers(vals: torch.Tensor, k: int, cfg: DynaQuantConfig) -> torch.Tensor:
+    """(m <= k,) sorted centers in the config's domain for one tensor's quantized values."""
+    if vals.numel() <= k:  # no more values than bins: every value is its own center, exactly
+        return _to_domain(torch.unique(vals), cfg.domain).to(torch.float32)
+    sk = LogSketch(alpha=cfg.alpha).add(vals)
+    return _sketch_centers(sk, k, cfg).to(vals.device)
+
+
+def quantize(x: torch.Tensor, name: str, plan: DynaQuantPlan) -> QuantizedTensor:
+    """Quantize one tensor that ``plan`` was fitted on (see module docstring for the levels)."""
+    if name not in plan.tensors:
+        why = "is kept exact (not quantizable)" if name in plan.skipped else "was not in fit_layer_thresholds"
+        raise ConfigError(f"{name}: {why}; store it losslessly or refit the plan with it")
+    cfg = plan.config
+    lt = plan.tensors[name]
+    ltp = plan.layer_types[lt]
+    xf = _flat_f32(x, name)
+    _check_domain(xf, name, cfg.domain)
+    part = _partition(xf, name, plan)
+    qmask = part == 1
+    vals = xf[qmask]
+    vals_f = _to_domain(vals, cfg.domain)
+    if ltp.centers is not None:
+        centers_f = ltp.centers.to(xf.device)
+    else:
+        centers_f = _fit_centers(vals, ltp.bins, cfg)
+    k = int(centers_f.numel())
+    codes = torch.zeros(xf.numel(), dtype=torch.int64, device=xf.device)
+    if vals_f.numel():
+        if k == 0:
+            raise ConfigError(f"{name}: the layer-type codebook is empty but the tensor has values to quantize")
+        codes[qmask] = torch.as_tensor(assign(vals_f, centers_f), device=xf.device).long() + 1
+    pmask = part == 2
+    codes[pmask] = k + 1
+    centers = _from_domain(centers_f.to(torch.float64), cfg.domain).to(torch.float32)
+    codebook = torch.cat([torch.zeros(1, device=xf.device), centers.to(xf.device),
+                          torch.full((1,), float("nan"), device=xf.device)])
+    meta = {"descriptor": DESCRIPTOR, "domain": cfg.domain, "k": k, "center_scope": cfg.center_scope,
+            "prune_metric": cfg.prune_metric, "n_pruned": int((part == 0).sum()),
+            "n_protected": int(pmask.sum()), **ltp.to_meta()}
+    return QuantizedTensor(codes=codes, n_levels=k + 2, codebook=codebook, shape=tuple(x.shape),
+                           dtype=dtype_name(x.dtype), side={"protected": xf[pmask].to(torch.bfloat16)},
+                           meta=meta)
+
+
+def dequantize(q: QuantizedTensor) -> torch.Tensor:
+    """Codebook lookup with the protected values put back; x's shape and dtype."""
+    out = apply_codebook(q.codes, q.codebook.to(q.codes.device))
+    pmask = q.codes == q.n_levels - 1
+    prot = q.side.get("protected")
+    n_prot = int(pmask.sum())
+    if n_prot:
+        if prot is None or prot.numel() != n_prot:
+            raise ValueError(f"dynaquant: {n_prot} protected codes but "
+                             f"{0 if prot is None else prot.numel()} protected values")
+        out[pmask] = prot.to(out.device, torch.float32)
+    return out.reshape(q.shape).to(torch_dtype(q.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer-state quality: relative error of the Adam update direction
+
+def _cat(x) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.detach().reshape(-1).to(torch.float64)
+    if isinstance(x, Mapping):
+        x = [x[k] for k in sorted(x)]
+    if isinstance(x, Sequence) and x:
+        return torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in x])
+    raise TypeError(f"expected a tensor, a list or a dict of tensors, got {type(x).__name__}")
+
+
+def adam_direction_error(m, v, m_q, v_q, step, betas: tuple[float, float] = (0.9, 0.999),
+                         eps: float = 1e-8) -> float:
+    """||d_q - d|| / ||d|| with d = m_hat / (sqrt(v_hat) + eps), Adam's bias-corrected update.
+
+    m, v, m_q, v_q: tensors or matching lists/dicts of tensors (concatenated); step: Adam's step
+    count (int or the optimizer state's step tensor). Negative v_q (never produced here) is
+    clamped to 0 so a bad codec shows up as a large error rather than NaN.
+    """
+    m, v, m_q, v_q = _cat(m), _cat(v), _cat(m_q), _cat(v_q)
+    if not (m.numel() == v.numel() == m_q.numel() == v_q.numel()):
+        raise ValueError("adam_direction_error: m, v, m_q, v_q must have the same number of elements")
+    t = float(step)
+    if t < 1:
+        raise ValueError(f"adam_direction_error: step must be >= 1, got {t}")
+    b1, b2 = betas
+    bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
+    d = (m / bc1) / ((v / bc2).sqrt() + eps)
+    d_q = (m_q / bc1) / ((v_q.clamp_min(0) / bc2).sqrt() + eps)
+    den = float(torch.linalg.vector_norm(d))
+    num = float(torch.linalg.vector_norm(d_q - d))
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def adam_denominator(v: torch.Tensor, step, betas: tuple[float, float] = (0.9, 0.999),
+                     eps: float = 1e-8) -> torch.Tensor:
+    """sqrt(v / (1 - beta2^step)) + eps in float32: Adam's per-element update denominator."""
+    t = float(step)
+    if t < 1:
+        raise ValueError(f"adam_denominator: step must be >= 1, got {t}")
+    return (v.detach().to(torch.float32).clamp_min(0) / (1.0 - betas[1] ** t)).sqrt_().add_(eps)
+
+
+def normalize_exp_avg(m: torch.Tensor, v: torch.Tensor, step, betas: tuple[float, float] = (0.9, 0.999),
+                      eps: float = 1e-8) -> torch.Tensor:
+    """u = m / adam_denominator(v): the exp_avg to quantize instead of m (v: the exact exp_avg_sq).
+
+    The decoder rebuilds m_q = u_q * adam_denominator(v_q) from the *dequantized* v_q
+    (denormalize_exp_avg), so the restored direction m_q_hat / (sqrt(v_q_hat) + eps) is exactly
+    u_q / (1 - beta1^t): only u's quantization error reaches it, v's relative error is absorbed
+    into m_q (and decays with beta1 within ~10 steps, while v's own error decays with beta2).
+    """
+    if m.shape != v.shape:
+        raise ValueError(f"normalize_exp_avg: m has shape {tuple(m.shape)}, v {tuple(v.shape)}")
+    return m.detach().to(torch.float32) / adam_denominator(v.to(m.device), step, betas, eps)
+
+
+def denormalize_exp_avg(u_q: torch.Tensor, v_q: torch.Tensor, step, betas: tuple[float, float] = (0.9, 0.999),
+                        eps: float = 1e-8, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """m_q = u_q * adam_denominator(v_q), in ``dtype``: decode v first, then this."""
+    return (u_q.to(torch.float32) * adam_denominator(v_q.to(u_q.device), step, betas, eps)).to(dtype)
