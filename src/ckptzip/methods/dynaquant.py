@@ -13,10 +13,10 @@ Per checkpoint:
    rearranged by source bucket, run-length + Huffman (codec/entropy.py); keyframes without delta;
 5. everything else (biases, norms, small tensors, buffers, step counts) exact.
 
-Record layout (quantized): blobs ``codes`` (codec/entropy.encode_codes buffer, self-describing),
-``codebook`` (fp32 little-endian, n_levels values: 0, centers..., NaN for the protected level),
-``protected`` (bf16 values in index order); meta ``n_levels``, ``domain``, the layer type's
-thresholds, and for normalized exp_avg ``adam`` = {"v": record of v, "step", "beta1", "beta2", "eps"}.
+Record layout (quantized): methods/qrecord.py -- ``codes`` (self-describing code stream),
+``codebook`` (fp32: 0, centers..., NaN for the protected level), ``side.protected`` (bf16 values in
+index order); meta ``n_levels``, ``domain``, the layer type's thresholds, and for normalized
+exp_avg ``adam`` = {"v": record of v, "step", "beta1", "beta2", "eps"}.
 The reference kept between saves is the integer codes of every quantized record.
 """
 from __future__ import annotations
@@ -27,12 +27,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..codec.entropy import decode_codes, encode_codes
 from ..errors import ConfigError, CorruptCheckpointError
 from ..quant import dynaquant as dq
 from ..quant.base import QuantizedTensor
 from ..state import FlatState, TensorRecord
-from ..tensorbytes import tensor_from_bytes, tensor_to_bytes
+from . import qrecord
 from .base import (DecodeContext, EncodeContext, Encoded, Method, Reference, decode_exact, encode_exact, is_exact,
                    register)
 
@@ -118,6 +117,60 @@ def _adam_hparams(state: FlatState) -> dict[int, tuple[float, float, float]]:
     return out
 
 
+def quantize_moments(state: FlatState, qcfg: dq.DynaQuantConfig, moment_bins: int) -> dict[str, QuantizedTensor]:
+    """Quantize optimizer moments: v in the log domain, Adam's m normalized by the decoded v's
+    denominator (rebuilt by the decoder), SGD momentum as is; never pruned."""
+    hp = _adam_hparams(state)
+    by_param: dict[int, dict[str, str]] = {}
+    for name in state.records:
+        m = _OPT_RE.match(name)
+        if m:
+            by_param.setdefault(int(m.group(1)), {})[m.group(2)] = name
+    out: dict[str, QuantizedTensor] = {}
+    mcfg = replace(qcfg, bins=moment_bins, embedding_bins=moment_bins,
+                   prune_fraction=0.0)
+    for idx, names in by_param.items():
+        for role in ("exp_avg_sq", "exp_avg", "momentum_buffer"):
+            name = names.get(role)
+            if name is None:
+                continue
+            rec, t = state.records[name], state.tensors[name]
+            if not (rec.is_float and t.numel() >= qcfg.min_numel and bool(torch.isfinite(t).all())):
+                continue
+            cfg = dq.config_for_role(mcfg, role if role != "momentum_buffer" else "exp_avg")
+            x = t
+            adam = None
+            vname, sname = names.get("exp_avg_sq"), names.get("step")
+            if role == "exp_avg" and vname in out and sname and idx in hp:
+                step = float(state.tensors[sname])
+                if step >= 1:
+                    b1, b2, eps = hp[idx]
+                    # normalize by the *decoded* v, as the decoder will
+                    v_q = dq.dequantize(out[vname])
+                    x = t.float() / dq.adam_denominator(v_q, step, (b1, b2), eps)
+                    adam = {"v": vname, "step": step, "beta1": b1, "beta2": b2, "eps": eps}
+            plan = dq.fit_layer_thresholds({name: (x, rec.layer_type if rec.layer_type in dq.LAYER_TYPES
+                                                    else "other", role if role != "momentum_buffer"
+                                                    else "exp_avg")}, cfg)
+            if name not in plan.tensors:
+                continue
+            q = dq.quantize(x, name, plan)
+            q.dtype = rec.dtype
+            if adam is not None:
+                q.meta["adam"] = adam
+            out[name] = q
+    return out
+
+
+def decode_moment(out: dict, name: str, rec: TensorRecord, adam: dict) -> None:
+    """m = u * (sqrt(v_hat) + eps) with the decoded v (see quantize_moments)."""
+    v = out.get(adam["v"])
+    if v is None:
+        raise CorruptCheckpointError(f"record {name!r} needs {adam['v']!r}, which the file lacks")
+    out[name] = dq.denormalize_exp_avg(out[name], v, adam["step"], (adam["beta1"], adam["beta2"]), adam["eps"],
+                                       dtype=getattr(torch, rec.dtype))
+
+
 @register
 class DynaQuantMethod(Method):
     name = "dynaquant"
@@ -138,30 +191,20 @@ class DynaQuantMethod(Method):
         qcfg, search_info = self._choose(state, reference, ctx)
         search_s = time.perf_counter() - t0
         quantized = quantize_weights(state, qcfg, ctx.gradients)
-        quantized.update(self._quantize_moments(state, qcfg))
-        codes_ref: dict[str, tuple[torch.Tensor, int]] = {}
+        if c.optimizer == "quantize":
+            quantized.update(quantize_moments(state, qcfg, c.moment_bins))
+        codes_ref: dict[str, qrecord.CodesRef] = {}
         for name, rec in state.records.items():
             q = quantized.get(name)
             if q is None:
                 encode_exact(enc, name, state.tensors[name])
                 continue
             is_moment = rec.role != "weight"
-            p = prev.get(name) if (reference is not None and (not is_moment or c.delta_moments)) else None
-            if p is not None and p[0].numel() != q.numel:
-                p = None
-            B = max(q.n_levels, p[1]) if p is not None else q.n_levels
-            blob = encode_codes(p[0].long() if p is not None else None, q.codes, B, rearrange=c.rearrange, rle=c.rle,
-                                coder=c.coder)
-            pipeline = ["dynaquant/1"] + (["cyclic-delta/1"] + (["rearrange/1"] if c.rearrange else [])
-                                          if p is not None else []) + (["rle/1"] if c.rle else []) + [f"{c.coder}/1"]
-            meta = {"n_levels": q.n_levels, "delta": p is not None,
-                    **{k: v for k, v in q.meta.items() if k in ("domain", "k", "n_pruned", "n_protected",
-                                                                "prune_threshold", "sensitivity_fallback")}}
-            if "adam" in q.meta:
-                meta["adam"] = q.meta["adam"]
-            enc.add(name, pipeline, meta, codes=blob, codebook=tensor_to_bytes(q.codebook.float().cpu()),
-                    protected=tensor_to_bytes(q.side["protected"].to(torch.bfloat16).cpu()))
-            codes_ref[name] = (_compact(q.codes), q.n_levels)
+            p = prev.get(name) if (not is_moment or c.delta_moments) else None
+            meta = {k: v for k, v in q.meta.items() if k in ("domain", "k", "n_pruned", "n_protected", "adam",
+                                                             "prune_threshold", "sensitivity_fallback")}
+            codes_ref[name] = qrecord.store(enc, name, q, p, method="dynaquant/1", coder=c.coder,
+                                            rearrange=c.rearrange, rle=c.rle, meta=meta)
         enc.meta["summary"] = {**{k: getattr(qcfg, k) for k in QUANTIZER_KNOBS}, **search_info,
                                "search_s": round(search_s, 3)}
         return enc, Reference(ctx.step, codes_ref)
@@ -175,50 +218,6 @@ class DynaQuantMethod(Method):
         qcfg, info, self.search_state = search_config(self, state, reference, ctx, self.search_state)
         return qcfg, info
 
-    def _quantize_moments(self, state: FlatState, qcfg: dq.DynaQuantConfig) -> dict[str, QuantizedTensor]:
-        if self.config.optimizer != "quantize":
-            return {}
-        hp = _adam_hparams(state)
-        by_param: dict[int, dict[str, str]] = {}
-        for name in state.records:
-            m = _OPT_RE.match(name)
-            if m:
-                by_param.setdefault(int(m.group(1)), {})[m.group(2)] = name
-        out: dict[str, QuantizedTensor] = {}
-        mcfg = replace(qcfg, bins=self.config.moment_bins, embedding_bins=self.config.moment_bins,
-                       prune_fraction=0.0)
-        for idx, names in by_param.items():
-            for role in ("exp_avg_sq", "exp_avg", "momentum_buffer"):
-                name = names.get(role)
-                if name is None:
-                    continue
-                rec, t = state.records[name], state.tensors[name]
-                if not (rec.is_float and t.numel() >= qcfg.min_numel and bool(torch.isfinite(t).all())):
-                    continue
-                cfg = dq.config_for_role(mcfg, role if role != "momentum_buffer" else "exp_avg")
-                x = t
-                adam = None
-                vname, sname = names.get("exp_avg_sq"), names.get("step")
-                if role == "exp_avg" and vname in out and sname and idx in hp:
-                    step = float(state.tensors[sname])
-                    if step >= 1:
-                        b1, b2, eps = hp[idx]
-                        # normalize by the *decoded* v, as the decoder will
-                        v_q = dq.dequantize(out[vname])
-                        x = t.float() / dq.adam_denominator(v_q, step, (b1, b2), eps)
-                        adam = {"v": vname, "step": step, "beta1": b1, "beta2": b2, "eps": eps}
-                plan = dq.fit_layer_thresholds({name: (x, rec.layer_type if rec.layer_type in dq.LAYER_TYPES
-                                                        else "other", role if role != "momentum_buffer"
-                                                        else "exp_avg")}, cfg)
-                if name not in plan.tensors:
-                    continue
-                q = dq.quantize(x, name, plan)
-                q.dtype = rec.dtype
-                if adam is not None:
-                    q.meta["adam"] = adam
-                out[name] = q
-        return out
-
     # ----------------------------------------------------------------------------------------
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
@@ -231,34 +230,15 @@ class DynaQuantMethod(Method):
                 out[name] = decode_exact(encoded, name, rec)
                 continue
             meta = encoded.records[name]["meta"]
-            n_levels = int(meta["n_levels"])
-            p = prev.get(name) if meta.get("delta") else None
-            if meta.get("delta") and p is None:
-                raise CorruptCheckpointError(f"record {name!r} is a delta but the parent checkpoint has no codes for it")
-            codes = decode_codes(encoded.blob(name, "codes"), p[0].long() if p is not None else None)
-            codebook = tensor_from_bytes(encoded.blob(name, "codebook"), "float32", (n_levels,))
-            prot = encoded.blob(name, "protected")
-            protected = tensor_from_bytes(prot, "bfloat16", (len(prot) // 2,))
-            q = QuantizedTensor(codes=codes, n_levels=n_levels, codebook=codebook, shape=rec.shape,
-                                dtype="float32" if "adam" in meta else rec.dtype, side={"protected": protected})
+            # a normalized exp_avg decodes to u in fp32 first, then m = u * denominator(v)
+            q = qrecord.load(encoded, name, rec.shape, "float32" if "adam" in meta else rec.dtype, prev.get(name))
             try:
                 out[name] = dq.dequantize(q)
             except ValueError as e:
                 raise CorruptCheckpointError(f"record {name!r}: {e}") from None
             if "adam" in meta:
                 pending_m.append((name, rec, meta["adam"]))
-            codes_ref[name] = (_compact(codes), n_levels)
-        for name, rec, a in pending_m:  # m = u * (sqrt(v_hat) + eps) with the decoded v
-            v = out.get(a["v"])
-            if v is None:
-                raise CorruptCheckpointError(f"record {name!r} needs {a['v']!r}, which the file lacks")
-            out[name] = dq.denormalize_exp_avg(out[name], v, a["step"], (a["beta1"], a["beta2"]), a["eps"],
-                                               dtype=getattr(torch, rec.dtype))
+            codes_ref[name] = (qrecord.compact(q.codes), q.n_levels)
+        for name, rec, a in pending_m:
+            decode_moment(out, name, rec, a)
         return {n: t.to(ctx.device) for n, t in out.items()}, Reference(ctx.step, codes_ref)
-
-
-def _compact(codes: torch.Tensor) -> torch.Tensor:
-    """Codes kept as the reference in the narrowest dtype (the reference is the method's memory)."""
-    codes = codes.detach().reshape(-1).cpu()
-    hi = int(codes.max()) if codes.numel() else 0
-    return codes.to(torch.uint8 if hi < 256 else torch.int16 if hi < 32768 else torch.int32)

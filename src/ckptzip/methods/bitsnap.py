@@ -1,0 +1,284 @@
+"""Methods ``bitsnap`` and ``bitsnap-lossless``: BitSnap (paper 004, sections 3.3-3.4, 4.2-4.4).
+
+Model states (float tensors of role ``weight`` or ``buffer``) are stored *losslessly*: a base
+checkpoint keeps them exactly, and each of the next ``max_cached_iterations`` checkpoints keeps
+only a bitmask delta against that base (codec/bitmask.py: per tensor the smallest of "same",
+"bitmask" and "dense" by exact byte count). Every delta points at the base, never at the previous
+delta, so restoring any step decodes two files at most. After ``max_cached_iterations`` deltas the
+method starts a new base by itself (the paper's MAX_CACHED_ITERATION; the paper gives no default,
+10 matches its Fig. 9 window of 10 iterations after a base); a ``None`` reference from the chain's
+keyframe policy starts one at any time.
+
+Optimizer states (Adam moments and fp32 master weights: float records whose role is not
+weight/buffer/step/tensor and that belong to a parameter) are quantized with cluster8 in *every*
+checkpoint, keyframes included -- never delta-encoded (section 3.4). ``bitsnap-lossless`` keeps
+them exact instead. Everything else (step counts, integer tensors, RNG states, unlinked tensors)
+is stored exactly through methods.base.encode_exact.
+
+Per-record pipelines and blobs (all integers little-endian)::
+
+    exact (keyframe model states, other records)
+        ["exact/1", "bytegroup/1"]                    data = bytegroup(raw tensor bytes)
+    delta of a model state, meta {"kind", "n_changed"}; kind "same" has no blobs
+        payload_codec "bytegroup" (default):
+        ["bitsnap/1", "bitmask/1", "bytegroup/1"]     mask   = bytegroup(packed bitmask, width 1)
+                                                      values = bytegroup(changed values, width w)
+        payload_codec "zstd":
+        ["bitsnap/1", "bitmask/1", "zstd/1"]          payload = one zstd frame over mask || values
+        ["bitsnap/1", "bitmask/1"]                    payload = mask || values (codec "none", or
+                                                      zstd did not shrink it)
+      mask: ceil(n/8) bytes, bit i of byte j = element 8j+i changed (absent for kind "dense");
+      values: the changed elements' raw bytes in flat order (kind "dense": all n elements).
+    optimizer state (bitsnap)
+        ["bitsnap/1", "cluster8/1"]                   labels, values, scale, min (quant/cluster8)
+
+Method-level meta: ``{"bitsnap": {"base_step", "delta_index"}, "summary": {...}}``; delta_index is
+0 for a base and 1.. for its deltas, so a restarted writer rebuilds the count from the file alone.
+The reference is ``Reference(base_step, {"base": {name: CPU copy of the base's exact model
+states}, "count": deltas written against it})``; the optimizer state is never kept.
+
+Call order (see methods/base.py)::
+
+    enc, ref = m.encode(flat, None, ctx=ctx)    # a base: ref.step == ctx.step, count 0
+    enc, ref = m.encode(flat, ref, ctx=ctx)     # a delta against ref.step; ref keeps the base
+    ...                                         # count == max_cached_iterations -> a new base
+    tensors, ref = m.decode(records, enc, ref, ctx=dctx)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import zstandard
+
+from ..codec import bitmask, bytegroup
+from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError
+from ..quant import cluster8
+from ..state import FlatState, TensorRecord
+from .base import (DecodeContext, EncodeContext, Encoded, Method, Reference, decode_exact, encode_exact, is_exact,
+                   register)
+
+PAYLOAD_CODECS = ("bytegroup", "zstd", "none")
+_NOT_OPTIMIZER = frozenset({"weight", "buffer", "step", "tensor"})
+
+
+@dataclass(frozen=True)
+class BitSnapConfig:
+    max_cached_iterations: int = 10   # deltas against one base before a new base (paper: MAX_CACHED_ITERATION)
+    n_clusters: int = 16              # cluster8 clusters for optimizer states (<= 16: uint4 labels)
+    quantize_optimizer: bool = True   # False keeps optimizer states exact (method bitsnap-lossless)
+    zstd_level: int = 3               # exact records and the payload pass; higher levels gain little on floats
+    payload_codec: str = "bytegroup"  # lossless pass over delta payloads: "bytegroup" (mask via zstd, values
+                                      # byte-grouped), "zstd" (one frame), "none" (the paper's raw payload)
+
+    def __post_init__(self):
+        if not isinstance(self.max_cached_iterations, int) or self.max_cached_iterations < 0:
+            raise ConfigError(f"max_cached_iterations must be an int >= 0 (0: every save is a base), "
+                              f"got {self.max_cached_iterations!r}")
+        cluster8.Cluster8Config(self.n_clusters)  # raises ConfigError naming the valid range
+        if not isinstance(self.zstd_level, int) or not 1 <= self.zstd_level <= 22:
+            raise ConfigError(f"zstd_level must be an int in [1, 22], got {self.zstd_level!r}")
+        if self.payload_codec not in PAYLOAD_CODECS:
+            raise ConfigError(f"payload_codec must be one of {PAYLOAD_CODECS}, got {self.payload_codec!r}")
+
+
+def is_model_state(rec: TensorRecord) -> bool:
+    """Records kept as base + bitmask deltas: float weights and buffers."""
+    return rec.role in ("weight", "buffer") and rec.is_float
+
+
+def is_optimizer_state(rec: TensorRecord) -> bool:
+    """Records cluster8-quantized by ``bitsnap``: float moments / master weights of a parameter."""
+    return rec.is_float and rec.role not in _NOT_OPTIMIZER and rec.param is not None
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    # one copy whatever the device: the base must not alias weights that training mutates in place
+    return t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+
+
+@register
+class BitSnapMethod(Method):
+    name = "bitsnap"
+    version = 1
+    config_cls = BitSnapConfig
+
+    # --- encode ---------------------------------------------------------------------------
+    def encode(self, state: FlatState, reference: Reference | None, *, ctx: EncodeContext) -> tuple[Encoded, Reference]:
+        cfg = self.config
+        base, count = self._unpack_reference(reference)
+        models = {n: r for n, r in state.records.items() if is_model_state(r)}
+        if base is not None and (count >= cfg.max_cached_iterations or not self._fits(base, models, state)):
+            base = None  # limit reached, or the model's tensors changed: start a new base
+        keyframe = base is None
+        base_step = ctx.step if keyframe else reference.step
+        count = 0 if keyframe else count + 1
+        enc = Encoded(keyframe=keyframe)
+        kinds = {"same": 0, "bitmask": 0, "dense": 0}
+        n_model = n_changed = 0
+        quantized = []
+        new_base = {} if keyframe else base
+        for name, rec in state.records.items():
+            t = state.tensors[name]
+            if name in models:
+                n_model += t.numel()
+                if keyframe:
+                    encode_exact(enc, name, t, level=cfg.zstd_level)
+                    new_base[name] = _cpu_copy(t)
+                    continue
+                kind, k = self._encode_delta(enc, name, t.detach().cpu(), base[name])
+                kinds[kind] += 1
+                n_changed += k
+            elif is_optimizer_state(rec) and cfg.quantize_optimizer and t.numel():
+                try:
+                    q = cluster8.quantize(t, cluster8.Cluster8Config(cfg.n_clusters))
+                except NonFiniteError:
+                    encode_exact(enc, name, t, level=cfg.zstd_level)  # inf/NaN moments: keep them as they are
+                    continue
+                enc.add(name, ["bitsnap/1", cluster8.DESCRIPTOR], {"n_clusters": cfg.n_clusters}, **cluster8.pack(q))
+                quantized.append(name)
+            else:
+                encode_exact(enc, name, t, level=cfg.zstd_level)
+        summary = {"base_step": base_step, "delta_index": count, "optimizer_quantized": len(quantized)}
+        if not keyframe:
+            summary.update(kinds, changed_frac=round(n_changed / n_model, 6) if n_model else 0.0,
+                           payload_codec=cfg.payload_codec)
+        enc.meta = {"bitsnap": {"base_step": base_step, "delta_index": count}, "summary": summary}
+        return enc, Reference(base_step, {"base": new_base, "count": count})
+
+    @staticmethod
+    def _unpack_reference(reference: Reference | None) -> tuple[dict | None, int]:
+        if reference is None:
+            return None, 0
+        data = reference.data
+        if not isinstance(data, dict) or not isinstance(data.get("base"), dict) or "count" not in data:
+            raise ConfigError("bitsnap was given a reference it did not make; pass the Reference its "
+                              "encode/decode returned, or None for a base checkpoint")
+        return data["base"], int(data["count"])
+
+    @staticmethod
+    def _fits(base: dict, models: dict[str, TensorRecord], state: FlatState) -> bool:
+        if set(base) != set(models):
+            return False
+        return all(base[n].dtype == state.tensors[n].dtype and base[n].shape == state.tensors[n].shape
+                   for n in models)
+
+    def _encode_delta(self, enc: Encoded, name: str, cur: torch.Tensor, base: torch.Tensor) -> tuple[str, int]:
+        kind, payload, dmeta = bitmask.encode_delta(cur, base)
+        k = dmeta["n_changed"]
+        meta = {"kind": kind, "n_changed": k}
+        pipeline = ["bitsnap/1", "bitmask/1"]
+        codec, level = self.config.payload_codec, self.config.zstd_level
+        if kind == "same":
+            enc.add(name, pipeline, meta)
+        elif codec == "bytegroup":
+            n_mask = math.ceil(cur.numel() / 8) if kind == "bitmask" else 0
+            blobs = {"values": bytegroup.compress(payload[n_mask:], cur.element_size(), float_bits=True, level=level)}
+            if n_mask:
+                blobs["mask"] = bytegroup.compress(payload[:n_mask], 1, float_bits=False, level=level)
+            enc.add(name, pipeline + ["bytegroup/1"], meta, **blobs)
+        else:
+            if codec == "zstd":
+                packed = zstandard.ZstdCompressor(level=level).compress(payload)
+                if len(packed) < len(payload):
+                    payload, pipeline = packed, pipeline + ["zstd/1"]
+            enc.add(name, pipeline, meta, payload=payload)
+        return kind, k
+
+    # --- decode ---------------------------------------------------------------------------
+    def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
+               *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
+        info = encoded.meta.get("bitsnap") if isinstance(encoded.meta, dict) else None
+        try:
+            base_step, count = int(info["base_step"]), int(info["delta_index"])
+        except (TypeError, KeyError, ValueError):
+            raise CorruptCheckpointError("bitsnap checkpoint lacks its base_step/delta_index metadata") from None
+        if encoded.keyframe:
+            if base_step != ctx.step or count != 0:
+                raise CorruptCheckpointError(f"bitsnap base at step {ctx.step} names base {base_step}, delta {count}")
+            base = {}
+        else:
+            base, _ = self._unpack_reference(reference) if reference is not None else (None, 0)
+            if base is None or reference.step != base_step or count < 1:
+                got = "none" if reference is None else f"step {reference.step}"
+                raise CorruptCheckpointError(f"bitsnap delta {count} at step {ctx.step} needs base step {base_step}, "
+                                             f"got {got}")
+        out = {}
+        for name, rec in records.items():
+            if name not in encoded.records:
+                raise CorruptCheckpointError(f"record {name!r} is missing from the bitsnap checkpoint")
+            pipeline = encoded.records[name]["pipeline"]
+            if is_exact(encoded, name):
+                t = decode_exact(encoded, name, rec)
+                if encoded.keyframe and is_model_state(rec):
+                    base[name] = t
+            elif pipeline[:2] == ["bitsnap/1", cluster8.DESCRIPTOR]:
+                blobs = {p: encoded.blob(name, p) for p in ("labels", "values", "scale", "min")}
+                t = cluster8.dequantize(cluster8.unpack(blobs, rec.shape, rec.dtype, device=ctx.device))
+            elif pipeline[:2] == ["bitsnap/1", "bitmask/1"] and not encoded.keyframe:
+                if name not in base:
+                    raise CorruptCheckpointError(f"record {name!r} is a bitmask delta but base step {base_step} lacks it")
+                t = self._decode_delta(encoded, name, rec, base[name])
+            else:
+                raise CorruptCheckpointError(f"record {name!r} has pipeline {pipeline}, which bitsnap/1 cannot decode")
+            out[name] = t.to(ctx.device)
+        if encoded.keyframe:
+            return out, Reference(ctx.step, {"base": base, "count": 0})
+        return out, Reference(base_step, {"base": base, "count": count})
+
+    @staticmethod
+    def _decode_delta(encoded: Encoded, name: str, rec: TensorRecord, base: torch.Tensor) -> torch.Tensor:
+        r = encoded.records[name]
+        meta, pipeline = r["meta"], r["pipeline"]
+        kind = meta.get("kind")
+        dmeta = {"shape": list(rec.shape), "dtype": rec.dtype}
+        if isinstance(meta.get("n_changed"), int):
+            dmeta["n_changed"] = meta["n_changed"]
+        if kind == "same":
+            payload = b""
+        elif pipeline[2:] == ["bytegroup/1"]:
+            payload = bytegroup.decompress(encoded.blob(name, "values"))
+            if kind == "bitmask":
+                payload = bytegroup.decompress(encoded.blob(name, "mask")) + payload
+        elif pipeline[2:] in ([], ["zstd/1"]):
+            payload = encoded.blob(name, "payload")
+            if pipeline[2:] == ["zstd/1"]:
+                payload = _zstd_decompress(payload, math.ceil(rec.numel / 8) + rec.numel * base.element_size())
+        else:
+            raise CorruptCheckpointError(f"record {name!r} has pipeline {pipeline}, which bitsnap/1 cannot decode")
+        if kind not in bitmask.KINDS:
+            raise CorruptCheckpointError(f"record {name!r} names delta kind {kind!r}; expected one of {bitmask.KINDS}")
+        try:
+            return bitmask.decode_delta(kind, payload, base, dmeta)
+        except ConfigError as e:  # the base we hold does not match what the record was written against
+            raise CorruptCheckpointError(f"record {name!r}: {e}") from None
+
+
+def _zstd_decompress(data: bytes, max_bytes: int) -> bytes:
+    # check the promised size before allocating: a corrupt header must not ask for terabytes
+    try:
+        size = zstandard.frame_content_size(data)
+        if size < 0 or size > max_bytes:
+            raise CorruptCheckpointError(f"zstd payload promises {size} bytes, at most {max_bytes} expected")
+        return zstandard.ZstdDecompressor().decompress(data, max_output_size=max_bytes)
+    except zstandard.ZstdError as e:
+        raise CorruptCheckpointError(f"zstd payload does not decompress: {e}") from None
+
+
+@register
+class BitSnapLosslessMethod(BitSnapMethod):
+    """BitSnap with exact optimizer states: every tensor of every step restores bit-exactly."""
+
+    name = "bitsnap-lossless"
+    version = 1
+
+    def __init__(self, config=None, **overrides):
+        if config is None:
+            config = BitSnapConfig(quantize_optimizer=False)
+        elif isinstance(config, dict):
+            config = {"quantize_optimizer": False, **config}
+        super().__init__(config, **overrides)
+        if self.config.quantize_optimizer:
+            raise ConfigError("bitsnap-lossless keeps optimizer states exact; set quantize_optimizer=False "
+                              "or use method 'bitsnap' to quantize them")

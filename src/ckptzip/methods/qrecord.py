@@ -1,0 +1,60 @@
+"""Storing one QuantizedTensor as a chain record (shared by every quantizing method).
+
+Blobs: ``codes`` (codec/entropy.encode_codes buffer: self-describing, optionally a cyclic delta
+against the previous checkpoint's codes), ``codebook`` (fp32, n_levels values, NaN allowed), and
+one blob per side tensor ``side.<key>`` (raw little-endian bytes). Meta: ``n_levels``, ``delta``,
+``side`` = {key: [dtype, shape]}, plus the quantizer's JSON facts.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..codec.entropy import decode_codes, encode_codes
+from ..errors import CorruptCheckpointError
+from ..quant.base import QuantizedTensor
+from ..tensorbytes import dtype_name, tensor_from_bytes, tensor_to_bytes
+from .base import Encoded
+
+CodesRef = tuple[torch.Tensor, int]  # (codes in a narrow dtype, n_levels) kept between saves
+
+
+def store(enc: Encoded, name: str, q: QuantizedTensor, prev: CodesRef | None, *, method: str, coder: str = "huffman",
+          rearrange: bool = True, rle: bool = True, meta: dict | None = None) -> CodesRef:
+    """Add record ``name`` holding ``q``; a cyclic delta against ``prev`` when given and same size."""
+    if prev is not None and prev[0].numel() != q.numel:
+        prev = None
+    B = max(q.n_levels, prev[1]) if prev is not None else q.n_levels  # levels may change between saves
+    blob = encode_codes(prev[0].long() if prev is not None else None, q.codes, B, rearrange=rearrange, rle=rle,
+                        coder=coder)
+    pipeline = [method] + ((["cyclic-delta/1"] + (["rearrange/1"] if rearrange else [])) if prev is not None else [])
+    pipeline += (["rle/1"] if rle else []) + [f"{coder}/1"]
+    side = {k: v.detach().cpu().contiguous() for k, v in q.side.items()}
+    rec_meta = {"n_levels": q.n_levels, "delta": prev is not None,
+                "side": {k: [dtype_name(v.dtype), list(v.shape)] for k, v in side.items()}, **(meta or {})}
+    enc.add(name, pipeline, rec_meta, codes=blob, codebook=tensor_to_bytes(q.codebook.float().cpu()),
+            **{f"side.{k}": tensor_to_bytes(v) for k, v in side.items()})
+    return compact(q.codes), q.n_levels
+
+
+def load(enc: Encoded, name: str, shape, dtype: str, prev: CodesRef | None) -> QuantizedTensor:
+    """Inverse of store (codes, codebook, side tensors) -> QuantizedTensor."""
+    meta = enc.records[name]["meta"]
+    try:
+        n_levels = int(meta["n_levels"])
+        side_spec = dict(meta.get("side", {}))
+    except (KeyError, TypeError, ValueError):
+        raise CorruptCheckpointError(f"record {name!r} has malformed quantizer metadata") from None
+    if meta.get("delta") and prev is None:
+        raise CorruptCheckpointError(f"record {name!r} is a delta but its parent checkpoint has no codes for it")
+    codes = decode_codes(enc.blob(name, "codes"), prev[0].long() if meta.get("delta") else None)
+    codebook = tensor_from_bytes(enc.blob(name, "codebook"), "float32", (n_levels,))
+    side = {k: tensor_from_bytes(enc.blob(name, f"side.{k}"), dt, tuple(shp)) for k, (dt, shp) in side_spec.items()}
+    return QuantizedTensor(codes=codes, n_levels=n_levels, codebook=codebook, shape=tuple(shape), dtype=dtype,
+                           side=side, meta=meta)
+
+
+def compact(codes: torch.Tensor) -> torch.Tensor:
+    """Codes in the narrowest dtype that holds them (the reference is the method's memory)."""
+    codes = codes.detach().reshape(-1).cpu()
+    hi = int(codes.max()) if codes.numel() else 0
+    return codes.to(torch.uint8 if hi < 256 else torch.int16 if hi < 32768 else torch.int32)
