@@ -7,12 +7,14 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ..errors import ConfigError
 from ..methods.base import available_methods
 from . import workloads as W
 from .faults import run
 from .report import rich_table, write_report
 
 DEFAULT_METHODS = ("lossless", "dynaquant", "excp-fixed", "bitsnap")
+DEFAULT_WORKLOADS = ("digits", "gpt2", "minilm")
 
 
 def workload_for(name: str, full: bool):
@@ -22,14 +24,20 @@ def workload_for(name: str, full: bool):
         return W.gpt2_workload(1000, 50, n_embd=192, n_layer=6) if full else W.gpt2_workload()
     if name == "minilm":
         return W.minilm_workload(300, 20) if full else W.minilm_workload()
-    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(W.WORKLOADS)}")
+    raise ConfigError(f"unknown workload {name!r}; choose from {', '.join(W.WORKLOADS)}")
 
 
-def main(workloads=("digits", "gpt2", "minilm"), methods=None, failures: int = 10, full: bool = False,
+def main(workloads=DEFAULT_WORKLOADS, methods=None, failures: int = 10, full: bool = False,
          out: str = "demo-report", threshold: float = 0.01, async_save: bool = False) -> list:
     console = Console()
     have = set(available_methods())
-    methods = [m for m in (methods or DEFAULT_METHODS) if m in have or methods]
+    for m in methods or ():
+        if m not in have:
+            raise ConfigError(f"unknown method {m!r}; available: {', '.join(sorted(have))}")
+    for w in workloads:
+        if w not in W.WORKLOADS:
+            raise ConfigError(f"unknown workload {w!r}; choose from {', '.join(W.WORKLOADS)}")
+    methods = list(methods) if methods else [m for m in DEFAULT_METHODS if m in have]
     results = []
     t_start = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -51,3 +59,11 @@ def main(workloads=("digits", "gpt2", "minilm"), methods=None, failures: int = 1
     files = write_report(results, pathlib.Path(out), meta)
     console.print(f"report: {', '.join(str(f) for f in files)}  ({meta['wall_s']} s)")
     return results
+
+
+def transfer(out: str = "demo-report", thresholds=(0.01, 0.05), steps: int = 80) -> list[dict]:
+    """Transfer learning (the paper's Table 6): compress the pretrained MiniLM (a keyframe) at each
+    threshold, fine-tune from the compressed and from the original weights, compare."""
+    from .transfer import run_transfer
+
+    return run_transfer(out=pathlib.Path(out), thresholds=thresholds, steps=steps)

@@ -1,0 +1,62 @@
+"""Hugging Face ``transformers.Trainer``: each save goes into a compressed chain; resume from any step.
+
+    from ckptzip.integrations.hf import CkptzipCallback, restore_checkpoint
+    trainer = Trainer(..., callbacks=[CkptzipCallback("runs/chain", method="dynaquant")])
+    trainer.train()
+    # later, in a new process:
+    folder = restore_checkpoint("runs/chain", step=200, out_dir="runs/resume")
+    trainer.train(resume_from_checkpoint=folder)
+
+The callback ingests the ``checkpoint-N/`` folder the Trainer has just written (weights,
+optimizer, scheduler, RNG, trainer state: every file, the non-tensor ones byte for byte) into the
+chain; ``delete_folders=True`` then removes the uncompressed folder, so only the chain stays on
+disk. ``restore_checkpoint`` rebuilds the folder in the same layout for ``resume_from_checkpoint``.
+"""
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+from transformers import TrainerCallback
+
+from .. import ingest
+from ..chain import CheckpointChain, KeyframePolicy, RetentionPolicy
+from ..methods.base import EncodeContext
+
+
+class CkptzipCallback(TrainerCallback):
+    def __init__(self, chain_url, method: str = "lossless", config=None, *, delete_folders: bool = False,
+                 threshold: float = 0.01, eval_fn=None, higher_is_better: bool = False,
+                 keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None):
+        self.chain = CheckpointChain(chain_url, method, config, keyframe=keyframe, retention=retention)
+        self.delete_folders = delete_folders
+        self.threshold, self.eval_fn, self.higher_is_better = threshold, eval_fn, higher_is_better
+        self.saved: list[int] = []
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        step = int(state.global_step)
+        folder = pathlib.Path(args.output_dir) / f"checkpoint-{step}"
+        if not folder.is_dir():
+            return
+        steps = self.chain.steps()
+        if steps and step <= steps[-1]:
+            return  # already in the chain (a save repeated at the same step)
+        st = ingest.load_source(ingest.Source(folder, "trainer", step, "trainer_state"))
+        ctx = EncodeContext(step=step, model=model, eval_fn=self.eval_fn, threshold=self.threshold,
+                            higher_is_better=self.higher_is_better)
+        self.chain.save(st, step, model=model, ctx=ctx)
+        self.saved.append(step)
+        if self.delete_folders:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def restore_checkpoint(chain_url, step: int | None = None, out_dir=".") -> str:
+    """Rebuild the Trainer's ``checkpoint-N/`` folder of ``step`` (latest if None) under ``out_dir``."""
+    chain = CheckpointChain(chain_url)
+    restored = chain.restore(step)
+    folder = pathlib.Path(out_dir) / f"checkpoint-{restored.step}"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    ingest.write_restored(restored.state, folder, step=restored.step)
+    return str(folder)
