@@ -1,0 +1,14 @@
+"""Lossless stages that turn integer codes and raw bytes into compact byte strings.
+
+Modules (import each one directly; this package re-exports nothing):
+
+- ``delta``     cyclic delta of quantization codes between checkpoints and the O(n) rearrangement
+                by source bucket (DynaQuant §6, Algorithms 5-6)
+- ``rle``       run-length encoding with the sign trick (values as -v, run lengths > 1 as +L)
+- ``entropy``   base of the coder family: framing helpers, the coder registry
+                (``huffman``, ``ans``, ``zstd``) and the full code pipeline
+                ``encode_codes`` / ``decode_codes``
+- ``huffman``   canonical, length-limited Huffman coding of integer streams (numba fast path)
+- ``ans``       the same interface on constriction's ANS coder
+- ``bitmask``, ``bytegroup``  float-delta helpers for the other methods
+"""

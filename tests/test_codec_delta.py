@@ -1,0 +1,295 @@
+"""Cyclic delta, rearrangement by source bucket, and the full encode_codes/decode_codes pipeline."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from ckptzip.codec import delta as D
+from ckptzip.codec.entropy import decode_codes, encode_codes, entropy_bits, read_codes_header
+from ckptzip.errors import CorruptCheckpointError
+
+BACKENDS = ["torch"] + (["numba"] if D.HAVE_NUMBA else [])
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def uniform_codes(x: torch.Tensor, n_levels: int) -> torch.Tensor:
+    """16-level (or n_levels) uniform quantizer over the tensor's own range -> flat int64 codes."""
+    x = x.float().reshape(-1)
+    lo, hi = x.min(), x.max()
+    scale = (hi - lo).clamp_min(1e-12)
+    return torch.clamp(torch.round((x - lo) / scale * (n_levels - 1)), 0, n_levels - 1).long()
+
+
+@pytest.fixture(scope="module")
+def real_codes(digits_snapshots):
+    """name -> [codes of checkpoint 0..9] for every parameter tensor, 16 levels."""
+    _, _, snaps, _ = digits_snapshots
+    return {name: [uniform_codes(s.model[name], 16) for s in snaps] for name in snaps[0].model}
+
+
+# --------------------------------------------------------------------------- cyclic delta
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_cyclic_delta_round_trip_and_range(dtype, backend):
+    g = torch.Generator().manual_seed(0)
+    prev = torch.randint(0, 16, (5000,), generator=g, dtype=dtype)
+    cur = torch.randint(0, 32, (5000,), generator=g, dtype=dtype)   # level count grew: B = 32
+    d = D.cyclic_delta(prev, cur, 32, backend=backend)
+    assert d.dtype == dtype
+    assert int(d.min()) >= 0 and int(d.max()) < 32
+    assert torch.equal(d.long(), (prev.long() - cur.long()) % 32)
+    assert torch.equal(D.undo_cyclic_delta(prev, d, 32, backend=backend), cur)
+    # the inverse is the general mod even for deltas outside [0, B)
+    assert torch.equal(D.undo_cyclic_delta(prev, d.long() + 64, 32, backend=backend), cur.long())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cyclic_delta_zero_where_unchanged_and_wraps(backend):
+    prev = torch.tensor([0, 5, 15, 3])
+    cur = torch.tensor([0, 5, 0, 4])
+    assert D.cyclic_delta(prev, cur, 16, backend=backend).tolist() == [0, 0, 15, 15]  # 3-4 = -1 = 15
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cyclic_delta_rejects_bad_input(backend):
+    with pytest.raises(ValueError, match="n_levels"):
+        D.cyclic_delta(torch.tensor([0, 20]), torch.tensor([0, 1]), 16, backend=backend)
+    with pytest.raises(ValueError, match=r"cur codes span \[-1, 1\]"):
+        D.cyclic_delta(torch.tensor([0, 1]), torch.tensor([-1, 1]), 16, backend=backend)
+    with pytest.raises(ValueError, match="n_levels"):
+        D.rearrange(torch.tensor([0, 1]), torch.tensor([0, 16]), 16, backend=backend)
+    with pytest.raises(ValueError, match="codes"):
+        D.cyclic_delta(torch.tensor([0, 1]), torch.tensor([0, 1, 2]), 16, backend=backend)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        D.cyclic_delta(torch.tensor([0.0]), torch.tensor([0.0]), 16, backend=backend)
+
+
+# --------------------------------------------------------------------------- rearrangement
+def algorithm5(delta: list[int], prev: list[int]) -> dict[int, list[int]]:
+    """The paper's Algorithm 5, literally: a dict of lists keyed by source bucket."""
+    groups: dict[int, list[int]] = {b: [] for b in sorted(set(prev))}
+    for j in range(len(prev)):
+        groups[prev[j]].append(delta[j])
+    return groups
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rearrange_matches_algorithm5_and_is_stable(backend):
+    prev = torch.tensor([2, 0, 2, 1, 0, 2, 1, 1])
+    delta = torch.tensor([10, 11, 12, 13, 14, 15, 16, 17])   # distinct: order is observable
+    out, sizes = D.rearrange(delta, prev, 3, backend=backend)
+    assert out.tolist() == [11, 14, 13, 16, 17, 10, 12, 15]
+    assert sizes.tolist() == [2, 3, 3]
+    groups = algorithm5(delta.tolist(), prev.tolist())
+    assert out.tolist() == list(itertools.chain.from_iterable(groups[b] for b in sorted(groups)))
+    assert torch.equal(D.unrearrange(out, prev, 3, backend=backend), delta)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n_levels", [1, 2, 7, 16, 300])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_rearrange_equals_stable_sort_reference(backend, n_levels, dtype):
+    g = torch.Generator().manual_seed(n_levels)
+    n = 20_000
+    prev = torch.randint(0, n_levels, (n,), generator=g, dtype=dtype)
+    delta = torch.arange(n, dtype=dtype)                       # payload = original index
+    out, sizes = D.rearrange(delta, prev, n_levels, backend=backend)
+    ref = torch.argsort(prev.long(), stable=True)             # reference only, in the test
+    assert torch.equal(out.long(), ref)
+    assert torch.equal(sizes, torch.bincount(prev.long(), minlength=n_levels))
+    assert torch.equal(D.unrearrange(out, prev, n_levels, backend=backend), delta)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_fused_grouped_delta_equals_composition(backend, dtype):
+    g = torch.Generator().manual_seed(5)
+    prev = torch.randint(0, 12, (30_000,), generator=g, dtype=dtype)
+    cur = torch.randint(0, 20, (30_000,), generator=g, dtype=dtype)
+    ref, ref_sizes = D.rearrange(D.cyclic_delta(prev, cur, 20, backend="torch"), prev, 20, backend="torch")
+    got, sizes = D.grouped_cyclic_delta(prev, cur, 20, backend=backend)
+    assert got.dtype == dtype and torch.equal(got, ref) and torch.equal(sizes, ref_sizes)
+    assert torch.equal(D.undo_grouped_cyclic_delta(prev, got, 20, backend=backend), cur)
+    with pytest.raises(ValueError, match="cur codes"):
+        D.grouped_cyclic_delta(prev, cur + 20, 20, backend=backend)
+
+
+def test_rearrange_uses_no_comparison_sort(monkeypatch):
+    def banned(*a, **k):
+        raise AssertionError("rearrange must not sort")
+
+    for name in ("sort", "argsort", "msort", "unique"):
+        monkeypatch.setattr(torch, name, banned)
+        monkeypatch.setattr(torch.Tensor, name, banned)
+    g = torch.Generator().manual_seed(1)
+    prev = torch.randint(0, 16, (1000,), generator=g)
+    delta = torch.randint(0, 16, (1000,), generator=g)
+    for backend in BACKENDS:
+        out, _ = D.rearrange(delta, prev, 16, backend=backend)
+        assert torch.equal(D.unrearrange(out, prev, 16, backend=backend), delta)
+        ds, _ = D.grouped_cyclic_delta(prev, delta, 16, backend=backend)
+        assert torch.equal(D.undo_grouped_cyclic_delta(prev, ds, 16, backend=backend), delta)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rearrange_torch_reference_on_device(device):
+    g = torch.Generator().manual_seed(2)
+    prev = torch.randint(0, 20, (3000,), generator=g)
+    delta = torch.randint(0, 20, (3000,), generator=g)
+    out_cpu, _ = D.rearrange(delta, prev, 20, backend="torch")
+    out, sizes = D.rearrange(delta.to(device), prev.to(device), 20)
+    assert out.device.type == device
+    assert torch.equal(out.cpu(), out_cpu)
+    assert torch.equal(D.unrearrange(out, prev.to(device), 20).cpu(), delta)
+
+
+def test_rearrange_empty():
+    e = torch.zeros(0, dtype=torch.int64)
+    for backend in BACKENDS:
+        out, sizes = D.rearrange(e, e, 4, backend=backend)
+        assert out.numel() == 0 and sizes.tolist() == [0, 0, 0, 0]
+        assert D.unrearrange(out, e, 4, backend=backend).numel() == 0
+
+
+# --------------------------------------------------------------------------- full pipeline
+FLAGS = list(itertools.product([False, True], [False, True], ["huffman", "ans", "zstd"]))
+
+
+@pytest.mark.parametrize("rearrange,rle,coder", FLAGS)
+def test_pipeline_round_trip_on_real_quantized_checkpoints(real_codes, rearrange, rle, coder):
+    total = 0
+    for name, seq in real_codes.items():
+        key = encode_codes(None, seq[0], 16, rle=rle, coder=coder)
+        assert torch.equal(decode_codes(key, None, 16), seq[0]), name
+        for i in (1, 5, 9):                                     # early, middle, late pairs
+            prev, cur = seq[i - 1], seq[i]
+            buf = encode_codes(prev, cur, 16, rearrange=rearrange, rle=rle, coder=coder)
+            got = decode_codes(buf, prev)
+            assert got.dtype == torch.int64 and torch.equal(got, cur), name
+            total += cur.numel()
+    assert total == 3 * sum(seq[0].numel() for seq in real_codes.values())
+
+
+def test_pipeline_level_count_change_uses_max(real_codes):
+    seq = real_codes["fc2.weight"]
+    prev = seq[4]                                               # 16 levels
+    cur = uniform_codes(seq[5].float(), 32)                     # re-quantized to 32 levels
+    for rearrange, rle in itertools.product([False, True], repeat=2):
+        buf = encode_codes(prev, cur, 32, rearrange=rearrange, rle=rle)
+        h = read_codes_header(buf)
+        assert h == {"n": cur.numel(), "n_levels": 32, "delta": True, "rearrange": rearrange,
+                     "rle": rle, "coder": "huffman"}
+        assert torch.equal(decode_codes(buf, prev, 32), cur)
+
+
+def test_pipeline_compresses_real_deltas_near_entropy(real_codes):
+    seq = real_codes["fc2.weight"]
+    prev, cur = seq[8], seq[9]
+    stream = D.cyclic_delta(prev, cur, 16)
+    bound_bytes = entropy_bits(stream) / 8
+    buf = encode_codes(prev, cur, 16, rearrange=False, rle=False, coder="huffman")
+    # Huffman is within 1 bit/symbol of order-0 entropy; headers are a few dozen bytes
+    assert bound_bytes <= len(buf) <= bound_bytes + cur.numel() / 8 + 64
+    assert len(buf) < cur.numel() / 2                            # beats raw 4-bit packing
+
+
+def test_rearrangement_helps_when_buckets_migrate_at_different_rates():
+    # the situation of §6.3: bucket 0 churns, buckets 1..15 never move; interleaved they break
+    # each other's zero runs, grouped they leave one long run per quiet bucket
+    g = torch.Generator().manual_seed(3)
+    n = 200_000
+    prev = torch.randint(0, 16, (n,), generator=g)
+    cur = prev.clone()
+    churn = (prev == 0) & (torch.rand(n, generator=g) < 0.5)
+    cur[churn] = torch.randint(1, 16, (int(churn.sum()),), generator=g)
+    plain = len(encode_codes(prev, cur, 16, rearrange=False, rle=True))
+    grouped = len(encode_codes(prev, cur, 16, rearrange=True, rle=True))
+    assert grouped < 0.8 * plain
+    assert torch.equal(decode_codes(encode_codes(prev, cur, 16), prev), cur)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pipeline_result_follows_prev_device(device):
+    g = torch.Generator().manual_seed(4)
+    prev = torch.randint(0, 16, (4096,), generator=g).to(device)
+    cur = torch.randint(0, 16, (4096,), generator=g).to(device)
+    out = decode_codes(encode_codes(prev, cur, 16), prev)
+    assert out.device.type == device and torch.equal(out.cpu(), cur.cpu())
+    assert decode_codes(encode_codes(prev, cur, 16), prev, device="cpu").device.type == "cpu"
+
+
+def test_pipeline_empty_and_constant():
+    e = torch.zeros(0, dtype=torch.int64)
+    assert decode_codes(encode_codes(None, e, 4)).numel() == 0
+    assert decode_codes(encode_codes(e, e, 4), e).numel() == 0
+    c = torch.full((100_000,), 3)
+    buf = encode_codes(c, c, 16)
+    assert len(buf) < 40                                        # one zero run: a header and a table
+    assert torch.equal(decode_codes(buf, c), c)
+
+
+def test_pipeline_caller_errors():
+    prev = torch.randint(0, 16, (100,))
+    cur = torch.randint(0, 16, (100,))
+    buf = encode_codes(prev, cur, 16)
+    with pytest.raises(ValueError, match="prev_codes"):
+        decode_codes(buf)
+    with pytest.raises(ValueError, match="n_levels"):
+        decode_codes(buf, prev, 8)
+    with pytest.raises(ValueError, match="prev_codes has"):
+        decode_codes(buf, prev[:50])
+    with pytest.raises(ValueError, match="coder"):
+        encode_codes(prev, cur, 16, coder="lzma")
+    with pytest.raises(ValueError, match=r"\[0, 16\)"):
+        encode_codes(None, cur + 16, 16)
+
+
+@pytest.mark.parametrize("coder", ["huffman", "ans", "zstd"])
+def test_pipeline_corrupt_or_truncated_raises(real_codes, coder):
+    prev, cur = real_codes["fc3.weight"][2], real_codes["fc3.weight"][3]
+    buf = encode_codes(prev, cur, 16, coder=coder)
+    for cut in range(len(buf)):                                 # every truncation
+        with pytest.raises(CorruptCheckpointError):
+            decode_codes(buf[:cut], prev)
+    rng = random.Random(0)
+    for bit in list(range(min(8 * len(buf), 200))) + rng.sample(range(8 * len(buf)), 200):
+        bad = bytearray(buf)
+        bad[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(CorruptCheckpointError):
+            decode_codes(bytes(bad), prev)
+    with pytest.raises(CorruptCheckpointError):
+        decode_codes(buf + b"\x00", prev)
+
+
+def test_entropy_bits_matches_formula():
+    x = torch.tensor([0, 0, 0, 1, 1, 7, -3, -3])
+    counts = np.array([3, 2, 1, 2], dtype=np.float64)
+    ref = float(-(counts * np.log2(counts / 8)).sum())
+    assert entropy_bits(x) == pytest.approx(ref, rel=1e-12)
+    assert entropy_bits(np.full(10, 5)) == 0.0
+    assert entropy_bits(torch.zeros(0, dtype=torch.int64)) == 0.0
+    sparse = torch.tensor([0, 1 << 40, 1 << 40, -(1 << 41)])   # span too wide for a count table
+    assert entropy_bits(sparse) == pytest.approx(4 * 1.5, rel=1e-12)
+
+
+GOLDEN_PREV = [0, 1, 2, 3, 3, 3, 2, 1, 0, 0, 0, 0]
+GOLDEN_CUR = [0, 1, 2, 3, 3, 0, 2, 1, 0, 0, 1, 0]
+GOLDEN = [  # (prev?, kwargs, exact bytes): pins the format of every layer; change = version bump
+    (True, {}, "435101070c04efc5562b484601060405020203020202020261c050bc785c"),
+    (False, {"coder": "ans"},
+     "435101140c04c6d83635414e010c050500000001152b40552b0226df9a0d19ee0000a82eacde"),
+    (True, {"rle": False, "rearrange": False, "coder": "zstd"},
+     "435101210c04bdff96175a5301010c28b52ffd200c610000000000000003000000000300a1f82d39"),
+]
+
+
+@pytest.mark.parametrize("with_prev,kwargs,hexbytes", GOLDEN)
+def test_golden_bytes(with_prev, kwargs, hexbytes):
+    prev = torch.tensor(GOLDEN_PREV) if with_prev else None
+    cur = torch.tensor(GOLDEN_CUR)
+    assert encode_codes(prev, cur, 4, **kwargs).hex() == hexbytes
+    assert torch.equal(decode_codes(bytes.fromhex(hexbytes), prev), cur)
