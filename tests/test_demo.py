@@ -1,0 +1,29 @@
+"""The fault-tolerant harness on a real (short) run: lossless restores reproduce training exactly;
+a lossy method stays close; the report is written."""
+import json
+
+import torch
+
+from ckptzip.demo.faults import failure_steps, run
+from ckptzip.demo.report import markdown_table, write_report
+from ckptzip.demo.workloads import digits_workload
+
+
+def test_fault_tolerant_runs_and_report(tmp_path):
+    torch.set_num_threads(1)
+    wl = digits_workload(total_steps=120, ckpt_every=20, hidden=128)
+    fails = failure_steps(wl, 3)
+    assert len(fails) == 3 and all(f % wl.ckpt_every for f in fails)
+    ref = run(wl, None)
+    lossless = run(wl, "lossless", failures=3)
+    assert lossless.failures == fails and len(lossless.restores) == 3
+    assert lossless.final_metric == ref.final_metric  # exact resume through 3 restores
+    assert [l for s, l in lossless.losses if s == wl.total_steps] == [l for s, l in ref.losses if s == wl.total_steps]
+    dq = run(wl, "dynaquant", failures=3)
+    assert dq.ratio > 2 * lossless.ratio
+    assert abs(dq.degradation(ref)) < 0.05
+    files = write_report([ref, lossless, dq], tmp_path, {"test": True})
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [r["method"] for r in data["runs"]] == ["uncompressed", "lossless", "dynaquant"]
+    assert "| digits-mlp | lossless |" in markdown_table([ref, lossless, dq])
+    assert any(str(f).endswith(".png") for f in files)
