@@ -7,13 +7,27 @@ only a bitmask delta against that base (codec/bitmask.py: per tensor the smalles
 delta, so restoring any step decodes two files at most. After ``max_cached_iterations`` deltas the
 method starts a new base by itself (the paper's MAX_CACHED_ITERATION; the paper gives no default,
 10 matches its Fig. 9 window of 10 iterations after a base); a ``None`` reference from the chain's
-keyframe policy starts one at any time.
+keyframe policy starts one at any time. That policy counts saves including the base (default every
+10: a base and 9 deltas), so at both defaults the chain starts bases first; give the chain a larger
+``KeyframePolicy.every`` to let ``max_cached_iterations`` decide.
 
 Optimizer states (Adam moments and fp32 master weights: float records whose role is not
 weight/buffer/step/tensor and that belong to a parameter) are quantized with cluster8 in *every*
 checkpoint, keyframes included -- never delta-encoded (section 3.4). ``bitsnap-lossless`` keeps
-them exact instead. Everything else (step counts, integer tensors, RNG states, unlinked tensors)
-is stored exactly through methods.base.encode_exact.
+them exact instead.
+
+Adam guard (``adam_guard``, on by default; a deviation from the paper, which rounds to nearest).
+Adam steps by m / (sqrt(v) + eps). Round-to-nearest puts every v below half a cluster step on the
+cluster minimum -- often exactly 0 -- and turns m into 0 +- half an m step where m was 0; both
+make the rebuilt step m' / eps, thousands of times too large (on the digits MLP resumed at step 30
+the largest step grows from 1.2 to 8448 and training collapses to chance). So second moments
+(exp_avg_sq, max_exp_avg_sq, square_avg, sum, exp_inf) are rounded *up* within their cluster
+(v <= v' < v + scale: the stored codes move one level up where needed, the format is unchanged),
+and exp_avg is set to exactly 0 where its exp_avg_sq decodes to 0 -- which with upward rounding
+happens only where v was 0, i.e. the parameter never had a gradient and m was 0 too.
+
+Everything else (step counts, integer tensors, RNG states, unlinked tensors) is stored exactly
+through methods.base.encode_exact.
 
 Per-record pipelines and blobs (all integers little-endian)::
 
@@ -30,7 +44,10 @@ Per-record pipelines and blobs (all integers little-endian)::
       mask: ceil(n/8) bytes, bit i of byte j = element 8j+i changed (absent for kind "dense");
       values: the changed elements' raw bytes in flat order (kind "dense": all n elements).
     optimizer state (bitsnap)
-        ["bitsnap/1", "cluster8/1"]                   labels, values, scale, min (quant/cluster8)
+        ["bitsnap/1", "cluster8/1"]                   labels, values, scale, min (quant/cluster8);
+                                                      meta {"n_clusters", "rounding": "nearest"|"up"}
+        ["bitsnap/1", "cluster8/1", "zero-if/1"]      the same, then 0 wherever the record named by
+                                                      meta "zero_if_zero" (its exp_avg_sq) decodes to 0
 
 Method-level meta: ``{"bitsnap": {"base_step", "delta_index"}, "summary": {...}}``; delta_index is
 0 for a base and 1.. for its deltas, so a restarted writer rebuilds the count from the file alone.
@@ -55,12 +72,15 @@ import zstandard
 from ..codec import bitmask, bytegroup
 from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError
 from ..quant import cluster8
+from ..quant.base import apply_codebook
 from ..state import FlatState, TensorRecord
 from .base import (DecodeContext, EncodeContext, Encoded, Method, Reference, decode_exact, encode_exact, is_exact,
                    register)
 
 PAYLOAD_CODECS = ("bytegroup", "zstd", "none")
 _NOT_OPTIMIZER = frozenset({"weight", "buffer", "step", "tensor"})
+# optimizer states that divide the step (Adam/AdamW/Adamax/RMSprop/Adagrad): rounded up by the guard
+SECOND_MOMENT_ROLES = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "exp_inf"})
 
 
 @dataclass(frozen=True)
@@ -71,6 +91,8 @@ class BitSnapConfig:
     zstd_level: int = 3               # exact records and the payload pass; higher levels gain little on floats
     payload_codec: str = "bytegroup"  # lossless pass over delta payloads: "bytegroup" (mask via zstd, values
                                       # byte-grouped), "zstd" (one frame), "none" (the paper's raw payload)
+    adam_guard: bool = True           # round second moments up, zero exp_avg where exp_avg_sq is 0 (see
+                                      # module docstring); False: the paper's round-to-nearest
 
     def __post_init__(self):
         if not isinstance(self.max_cached_iterations, int) or self.max_cached_iterations < 0:
@@ -91,6 +113,20 @@ def is_model_state(rec: TensorRecord) -> bool:
 def is_optimizer_state(rec: TensorRecord) -> bool:
     """Records cluster8-quantized by ``bitsnap``: float moments / master weights of a parameter."""
     return rec.is_float and rec.role not in _NOT_OPTIMIZER and rec.param is not None
+
+
+def quantize_moment(t: torch.Tensor, rec: TensorRecord, config: BitSnapConfig) -> tuple[dict[str, bytes], dict]:
+    """cluster8 storage form of one optimizer state (and its record meta); second moments round up
+    under the Adam guard. Raises NonFiniteError for inf/NaN (the caller stores those exactly)."""
+    q = cluster8.quantize(t, cluster8.Cluster8Config(config.n_clusters))
+    rounding = "nearest"
+    if config.adam_guard and rec.role in SECOND_MOMENT_ROLES:
+        # move each code whose value fell below x one level up its cluster's grid: x <= x' < x + scale
+        # (round-to-nearest is within half a step, so one level always suffices; level 255 is the max)
+        below = apply_codebook(q.codes, q.codebook) < t.detach().reshape(-1).float()  # fp32 grid values
+        q.codes = q.codes + (below & (q.codes % 256 < 255)).to(q.codes.dtype)
+        rounding = "up"
+    return cluster8.pack(q), {"n_clusters": config.n_clusters, "rounding": rounding}
 
 
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
@@ -118,6 +154,7 @@ class BitSnapMethod(Method):
         kinds = {"same": 0, "bitmask": 0, "dense": 0}
         n_model = n_changed = 0
         quantized = []
+        guarded = []  # (exp_avg record, its exp_avg_sq record)
         new_base = {} if keyframe else base
         for name, rec in state.records.items():
             t = state.tensors[name]
@@ -132,15 +169,26 @@ class BitSnapMethod(Method):
                 n_changed += k
             elif is_optimizer_state(rec) and cfg.quantize_optimizer and t.numel():
                 try:
-                    q = cluster8.quantize(t, cluster8.Cluster8Config(cfg.n_clusters))
+                    blobs, meta = quantize_moment(t, rec, cfg)
                 except NonFiniteError:
                     encode_exact(enc, name, t, level=cfg.zstd_level)  # inf/NaN moments: keep them as they are
                     continue
-                enc.add(name, ["bitsnap/1", cluster8.DESCRIPTOR], {"n_clusters": cfg.n_clusters}, **cluster8.pack(q))
+                pipeline = ["bitsnap/1", cluster8.DESCRIPTOR]
+                v_name = name.rpartition("/")[0] + "/exp_avg_sq"
+                if cfg.adam_guard and rec.role == "exp_avg" and v_name in state.records:
+                    pipeline.append("zero-if/1")
+                    meta["zero_if_zero"] = v_name
+                    guarded.append((name, v_name))
+                enc.add(name, pipeline, meta, **blobs)
                 quantized.append(name)
             else:
                 encode_exact(enc, name, t, level=cfg.zstd_level)
-        summary = {"base_step": base_step, "delta_index": count, "optimizer_quantized": len(quantized)}
+        for m_name, v_name in guarded:  # an exp_avg_sq kept exact (non-finite) gives no zero pattern
+            if enc.records[v_name]["pipeline"][:2] != ["bitsnap/1", cluster8.DESCRIPTOR]:
+                enc.records[m_name]["pipeline"].remove("zero-if/1")
+                del enc.records[m_name]["meta"]["zero_if_zero"]
+        summary = {"base_step": base_step, "delta_index": count, "optimizer_quantized": len(quantized),
+                   "adam_guard": cfg.adam_guard}
         if not keyframe:
             summary.update(kinds, changed_frac=round(n_changed / n_model, 6) if n_model else 0.0,
                            payload_codec=cfg.payload_codec)
@@ -213,16 +261,25 @@ class BitSnapMethod(Method):
                 t = decode_exact(encoded, name, rec)
                 if encoded.keyframe and is_model_state(rec):
                     base[name] = t
-            elif pipeline[:2] == ["bitsnap/1", cluster8.DESCRIPTOR]:
+            elif pipeline[:2] == ["bitsnap/1", cluster8.DESCRIPTOR] and pipeline[2:] in ([], ["zero-if/1"]):
                 blobs = {p: encoded.blob(name, p) for p in ("labels", "values", "scale", "min")}
                 t = cluster8.dequantize(cluster8.unpack(blobs, rec.shape, rec.dtype, device=ctx.device))
             elif pipeline[:2] == ["bitsnap/1", "bitmask/1"] and not encoded.keyframe:
                 if name not in base:
-                    raise CorruptCheckpointError(f"record {name!r} is a bitmask delta but base step {base_step} lacks it")
+                    raise CorruptCheckpointError(f"record {name!r} is a bitmask delta but base step {base_step} "
+                                                 "lacks it")
                 t = self._decode_delta(encoded, name, rec, base[name])
             else:
                 raise CorruptCheckpointError(f"record {name!r} has pipeline {pipeline}, which bitsnap/1 cannot decode")
             out[name] = t.to(ctx.device)
+        for name in records:
+            if encoded.records[name]["pipeline"][2:] == ["zero-if/1"]:
+                v_name = encoded.records[name]["meta"].get("zero_if_zero")
+                v = out.get(v_name)
+                if v is None or v.shape != out[name].shape:
+                    raise CorruptCheckpointError(f"record {name!r} is zeroed where {v_name!r} is 0, "
+                                                 "but that record is missing or has another shape")
+                out[name] = out[name].masked_fill(v == 0, 0)
         if encoded.keyframe:
             return out, Reference(ctx.step, {"base": base, "count": 0})
         return out, Reference(base_step, {"base": base, "count": count})
