@@ -437,7 +437,8 @@ def methods() -> None:
 def demo(
     workload: Annotated[list[str], typer.Option("--workload", "-w", help="digits, gpt2, minilm (repeatable)")] = [],
     methods: Annotated[str, typer.Option("--methods", "-m", help="comma-separated methods")] = "",
-    failures: Annotated[int, typer.Option("--failures", "-f", min=0, help="simulated failures per run")] = 10,
+    failures: Annotated[Optional[int], typer.Option("--failures", "-f", min=0,
+                                                    help="simulated failures per run [default: 10; minilm 3]")] = None,
     full: Annotated[bool, typer.Option("--full", help="longer, larger runs")] = False,
     threshold: Annotated[float, typer.Option("--threshold", help="relative quality budget per checkpoint")] = 0.01,
     out: Annotated[str, typer.Option("--out", "-o", help="report folder")] = "demo-report",

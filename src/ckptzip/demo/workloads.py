@@ -222,7 +222,8 @@ def stdlib_docstrings(per_class: int = 130, seed: int = 0) -> tuple[list[str], l
     return texts, labels
 
 
-def minilm_workload(total_steps: int = 80, ckpt_every: int = 8, bsz: int = 16, max_len: int = 64) -> Workload:
+def minilm_workload(total_steps: int = 40, ckpt_every: int = 8, bsz: int = 16, max_len: int = 48,
+                    freeze_embeddings: bool = True) -> Workload:
     import os
     import random
 
@@ -246,7 +247,10 @@ def minilm_workload(total_steps: int = 80, ckpt_every: int = 8, bsz: int = 16, m
     def build(seed):
         torch.manual_seed(seed)
         m = AutoModelForSequenceClassification.from_pretrained(path, num_labels=len(DOCSTRING_PACKAGES))
-        opt = torch.optim.AdamW(m.parameters(), lr=5e-5, weight_decay=0.01)
+        if freeze_embeddings:
+            # common for small-data fine-tuning; the 11.7M-row table stays in every checkpoint (no Adam state)
+            m.bert.embeddings.word_embeddings.weight.requires_grad_(False)
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=5e-5, weight_decay=0.01)
         return m, opt, None
 
     def batch(step):
@@ -279,7 +283,8 @@ def minilm_workload(total_steps: int = 80, ckpt_every: int = 8, bsz: int = 16, m
     return Workload("minilm-docstrings", build, batch, loss, eval_fn, metric, "test accuracy", True,
                     total_steps, ckpt_every,
                     f"fine-tune pretrained all-MiniLM-L6-v2 (22.7M) to tell which of {len(DOCSTRING_PACKAGES)} stdlib "
-                    f"packages a docstring comes from ({n} docstrings, 70/15/15 split), AdamW 5e-5, batch {bsz}")
+                    f"packages a docstring comes from ({n} docstrings, 70/15/15 split), AdamW 5e-5, batch {bsz}x{max_len}"
+                    + (", word embeddings frozen" if freeze_embeddings else ""))
 
 
 WORKLOADS = {"digits": digits_workload, "gpt2": gpt2_workload, "minilm": minilm_workload}

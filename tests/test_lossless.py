@@ -1,0 +1,268 @@
+"""Method ``lossless`` (methods/lossless.py) and its byte-grouping codec (codec/bytegroup.py):
+bit-exact for every dtype and special value, the XOR delta path on real training deltas, and
+corrupt blobs raise CorruptCheckpointError (never another exception).
+"""
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from ckptzip.codec import bytegroup
+from ckptzip.errors import CkptzipError, CorruptCheckpointError
+from ckptzip.methods.base import DecodeContext, EncodeContext, Encoded, get_method
+from ckptzip.methods.lossless import LosslessConfig, LosslessMethod
+from ckptzip.state import flatten_state
+from ckptzip.tensorbytes import tensor_to_bytes
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    # many tiny ops: intra-op threads only add contention on a shared CPU (conftest restores the count)
+    torch.set_num_threads(1)
+
+
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype == torch.bool:
+        return torch.equal(a, b)
+    w = BITS[a.element_size()]
+    return torch.equal(a.contiguous().view(w), b.contiguous().view(w))
+
+
+def special_floats(dtype: torch.dtype) -> torch.Tensor:
+    """-0.0, +-inf, NaNs with odd payloads and signs, subnormals, extremes, plus ordinary values."""
+    width = torch.finfo(dtype).bits
+    ibits = BITS[width // 8]
+    fi = torch.finfo(dtype)
+    vals = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), fi.max, -fi.max, fi.tiny, -fi.tiny,
+                         fi.smallest_normal / 4, -fi.smallest_normal / 2, fi.eps, 1.0, -1.5], dtype=torch.float64)
+    vals = vals.to(dtype)
+    exp_bits = {64: 11, 32: 8, 16: 5 if dtype == torch.float16 else 8}[width]
+    man_bits = width - 1 - exp_bits
+    nan_hi = ((1 << exp_bits) - 1) << man_bits  # all-ones exponent
+    payloads = [nan_hi | 1, nan_hi | (1 << (man_bits - 1)), nan_hi | ((1 << man_bits) - 1), nan_hi | 0b1010]
+    signed = [p - (1 << width) for p in payloads] + [p - (1 << width) + (1 << (width - 1)) for p in payloads]
+    nans = torch.tensor([p if p < (1 << (width - 1)) else p - (1 << width) for p in payloads] + signed[4:],
+                        dtype=torch.int64).to(ibits).view(dtype)
+    subnormals = torch.arange(1, 40, dtype=ibits).view(dtype)  # the smallest subnormal bit patterns
+    g = torch.Generator().manual_seed(0)
+    ordinary = (torch.randn(500, generator=g, dtype=torch.float64) * 3).to(dtype)
+    return torch.cat([vals, nans, subnormals, -subnormals, ordinary])
+
+
+FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_special_values_survive_keyframe_and_delta(dtype):
+    cur = special_floats(dtype)
+    assert cur.isnan().sum() >= 8 and (cur == 0).sum() >= 2
+    # the delta's parent: some bits changed by an ulp, some NaNs swapped for numbers and back
+    prev = cur.clone().view(BITS[cur.element_size()])
+    prev[::3] ^= 1
+    prev = prev.view(dtype)
+    m = LosslessMethod()
+    s0 = flatten_state({"x": prev.reshape(-1, 1)})
+    s1 = flatten_state({"x": cur.reshape(-1, 1)})
+    e0, r0 = m.encode(s0, None, ctx=EncodeContext(step=0))
+    e1, r1 = m.encode(s1, r0, ctx=EncodeContext(step=1))
+    assert e0.keyframe and not e1.keyframe
+    assert e1.records["x"]["pipeline"] == ["lossless/1", "xor/1", "bytegroup/1"]
+    d0, dr0 = m.decode(s0.records, e0, None, ctx=DecodeContext(step=0))
+    d1, _ = m.decode(s1.records, e1, dr0, ctx=DecodeContext(step=1))
+    assert bits_equal(d0["x"], prev.reshape(-1, 1)) and bits_equal(d1["x"], cur.reshape(-1, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool])
+def test_integer_and_bool_tensors_exact(dtype):
+    g = torch.Generator().manual_seed(1)
+    if dtype == torch.bool:
+        a = torch.rand(257, generator=g) > 0.5
+    else:
+        info = torch.iinfo(dtype)
+        a = torch.randint(info.min, info.max, (257,), generator=g, dtype=torch.int64).to(dtype)
+        a[:2] = torch.tensor([info.min, info.max], dtype=dtype)
+    b = a.clone()
+    b[::5] = ~b[::5] if dtype == torch.bool else b[::5] // 2
+    m = LosslessMethod()
+    sa, sb = flatten_state({"a": a}), flatten_state({"a": b})
+    ea, ra = m.encode(sa, None, ctx=EncodeContext(step=0))
+    eb, _ = m.encode(sb, ra, ctx=EncodeContext(step=1))
+    da, dra = m.decode(sa.records, ea, None, ctx=DecodeContext(step=0))
+    db, _ = m.decode(sb.records, eb, dra, ctx=DecodeContext(step=1))
+    assert bits_equal(da["a"], a) and bits_equal(db["a"], b)
+
+
+def _encode_run(snaps, level=3):
+    m = LosslessMethod(LosslessConfig(zstd_level=level))
+    ref, out = None, []
+    for i, s in enumerate(snaps):
+        flat = flatten_state({"model": s.model, "optimizer": s.optimizer})
+        enc, ref = m.encode(flat, ref, ctx=EncodeContext(step=i))
+        out.append((flat, enc))
+    return m, out
+
+
+def test_real_run_xor_deltas_exact_and_smaller(digits_snapshots):
+    _, _, snaps, _ = digits_snapshots
+    m, run = _encode_run(snaps[:4])
+    ref = None
+    for i, (flat, enc) in enumerate(run):
+        assert enc.keyframe == (i == 0)
+        tensors, ref = m.decode(flat.records, enc, ref, ctx=DecodeContext(step=i))
+        assert set(tensors) == set(flat.tensors)
+        for n, t in flat.tensors.items():
+            assert bits_equal(tensors[n], t), (i, n)
+    raw = sum(t.numel() * t.element_size() for t in run[0][0].tensors.values())
+    key_bytes = sum(len(b) for b in run[0][1].blobs.values())
+    delta_bytes = sum(len(b) for b in run[2][1].blobs.values())
+    # float weights and moments do not compress much alone; an XOR delta of 20 Adam steps does better
+    assert key_bytes < raw and delta_bytes < key_bytes
+    w = "model/fc2.weight"
+    xor = run[2][1].blob(w, "data")
+    plain = bytegroup.compress(tensor_to_bytes(run[2][0].tensors[w]), 4)
+    assert len(xor) < len(plain)
+
+
+def test_bf16_copy_of_a_real_run_exact(digits_snapshots):
+    _, _, snaps, _ = digits_snapshots
+    bf = [type(s)(s.step, {k: v.to(torch.bfloat16) for k, v in s.model.items()}, s.optimizer) for s in snaps[:3]]
+    m, run = _encode_run(bf)
+    ref = None
+    for i, (flat, enc) in enumerate(run):
+        tensors, ref = m.decode(flat.records, enc, ref, ctx=DecodeContext(step=i))
+        assert all(bits_equal(tensors[n], t) for n, t in flat.tensors.items())
+
+
+def test_descriptor_and_registry():
+    m = get_method("lossless", {"zstd_level": 5})
+    assert isinstance(m, LosslessMethod) and m.descriptor == "lossless/1" and m.config.zstd_level == 5
+    assert get_method("lossless/1").config == LosslessConfig()
+
+
+def test_delta_without_parent_is_corrupt():
+    m = LosslessMethod()
+    s0, s1 = flatten_state({"x": torch.ones(4)}), flatten_state({"x": torch.zeros(4)})
+    _, r0 = m.encode(s0, None, ctx=EncodeContext(step=0))
+    e1, _ = m.encode(s1, r0, ctx=EncodeContext(step=1))
+    with pytest.raises(CorruptCheckpointError, match="XOR delta"):
+        m.decode(s1.records, e1, None, ctx=DecodeContext(step=1))
+    with pytest.raises(CorruptCheckpointError, match="has no blob"):
+        m.decode(s1.records, Encoded(records={"x": {"pipeline": ["lossless/1"], "meta": {}, "blobs": {}}}), None,
+                 ctx=DecodeContext(step=1))
+
+
+def test_shape_change_falls_back_to_keyframe_record():
+    m = LosslessMethod()
+    _, r0 = m.encode(flatten_state({"x": torch.ones(4)}), None, ctx=EncodeContext(step=0))
+    s1 = flatten_state({"x": torch.ones(2, 3), "new": torch.arange(3)})
+    e1, _ = m.encode(s1, r0, ctx=EncodeContext(step=1))
+    assert "xor/1" not in e1.records["x"]["pipeline"] and "xor/1" not in e1.records["new"]["pipeline"]
+    out, _ = m.decode(s1.records, e1, None, ctx=DecodeContext(step=1))
+    assert bits_equal(out["x"], torch.ones(2, 3)) and bits_equal(out["new"], torch.arange(3))
+
+
+# --- bytegroup codec ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [0, 1, 7, 4099])
+@pytest.mark.parametrize("float_bits", [True, False])
+def test_bytegroup_round_trip(width, n, float_bits):
+    rng = np.random.default_rng(width * 100 + n)
+    raw = rng.integers(0, 256, n * width, dtype=np.uint8)
+    raw[: n * width // 2] = 0  # a compressible half, so both raw and zstd planes occur
+    raw = raw.tobytes()
+    blob = bytegroup.compress(raw, width, float_bits=float_bits)
+    assert bytegroup.decompress(blob) == raw
+    w, flags, count = struct.unpack_from("<BBQ", blob)
+    assert (w, count, flags) == (width, n, int(float_bits and width > 1))
+
+
+def test_bytegroup_groups_planes_msb_first_and_stores_incompressible_raw():
+    # a word's top byte is constant, its low byte random: plane 0 (MSB) compresses, plane 1 stays raw
+    rng = np.random.default_rng(0)
+    words = (0x3C00 | rng.integers(0, 256, 4096)).astype("<u2")
+    blob = bytegroup.compress(words.tobytes(), 2, float_bits=False)
+    lens = struct.unpack_from("<2I", blob, 10)
+    assert lens[0] < 100 and lens[1] == 4096 | (1 << 31)
+    assert blob[-4096:] == words.astype("<u2").view(np.uint8)[0::2].tobytes()  # raw low bytes, in order
+    assert bytegroup.decompress(blob) == words.tobytes()
+
+
+def test_bytegroup_rotation_puts_exponent_in_top_plane():
+    # the documented layout: after rotl1 the most significant plane is the 8 exponent bits of fp32
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5000, generator=g)
+    blob = bytegroup.compress(tensor_to_bytes(x), 4, float_bits=True)
+    assert blob[1] == 1  # flags: rotated
+    n0 = struct.unpack_from("<4I", blob, 10)[0]
+    import zstandard
+
+    plane0 = zstandard.ZstdDecompressor().decompress(blob[26:26 + n0])
+    exponent = ((x.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    assert plane0 == exponent.numpy().tobytes()
+    assert bytegroup.decompress(blob) == tensor_to_bytes(x)
+
+
+def test_bytegroup_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="width"):
+        bytegroup.compress(b"abc", 2)
+    with pytest.raises(ValueError, match="width"):
+        bytegroup.compress(b"abc", 3)
+
+
+def _float_blob():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, generator=g)
+    x[:100] = 0.0
+    return tensor_to_bytes(x), bytegroup.compress(tensor_to_bytes(x), 4)
+
+
+def test_bytegroup_corruption_only_typed_errors():
+    raw, blob = _float_blob()
+    for cut in range(len(blob)):  # every truncation is detected
+        with pytest.raises(CorruptCheckpointError):
+            bytegroup.decompress(blob[:cut])
+    with pytest.raises(CorruptCheckpointError, match="trailing"):
+        bytegroup.decompress(blob + b"\0")
+    header_end = 10 + 4 * 4
+    for pos in range(len(blob)):
+        for x in (0x01, 0x20, 0x80, 0xFF):
+            bad = bytearray(blob)
+            bad[pos] ^= x
+            try:
+                out = bytegroup.decompress(bytes(bad))
+            except CorruptCheckpointError:
+                continue
+            # a flip inside a zstd payload, or of the rotation flag alone, can decode to other bytes
+            # (the container's SHA-256 catches it); any other header flip never passes
+            assert pos >= header_end or out == raw or (pos, x) == (1, 0x01), (pos, x)
+            assert len(out) == len(raw)
+
+
+@pytest.mark.parametrize("patch", [
+    lambda b: b"\x03" + b[1:],                                           # width 3
+    lambda b: b[:2] + struct.pack("<Q", 2**62) + b[10:],                 # absurd word count
+    lambda b: b[:2] + struct.pack("<Q", 299) + b[10:],                   # one word short
+    lambda b: b[:10] + struct.pack("<I", 0xFFFFFFFF) + b[14:],           # plane length beyond the blob
+    lambda b: b[:1] + b"\x03" + b[2:],                                   # unknown flag bits
+    lambda b: b"",
+    lambda b: b[:5],
+])
+def test_bytegroup_malformed_headers(patch):
+    _, blob = _float_blob()
+    with pytest.raises(CorruptCheckpointError):
+        bytegroup.decompress(patch(blob))
+
+
+def test_bytegroup_errors_are_ckptzip_errors():
+    with pytest.raises(CkptzipError):
+        bytegroup.decompress(b"\x04\x00" + b"\xff" * 40)
+    rotated_bytes = bytegroup.compress(b"\x01\x02", 1)  # width 1 is never rotated
+    with pytest.raises(CorruptCheckpointError, match="malformed header"):
+        bytegroup.decompress(rotated_bytes[:1] + b"\x01" + rotated_bytes[2:])
