@@ -381,3 +381,23 @@ def test_other_input_errors():
         flatten_state({"a": {"b/c": torch.ones(1)}, "a/b": {"c": torch.ones(1)}})
     with pytest.raises(ValueError, match="unknown skeleton tag"):
         unflatten_state({"__t": "pickle", "v": ""}, {})
+
+
+def test_tied_weights_are_stored_once_and_stay_tied():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=1, n_head=2, n_positions=16)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randint(0, 256, (2, 8)), labels=torch.randint(0, 256, (2, 8))).loss.backward()
+    opt.step()
+    sd = model.state_dict()
+    flat = flatten_state({"model": sd, "optimizer": opt.state_dict()})  # no live objects: inferred links
+    assert "model/lm_head.weight" not in flat.records and "model/transformer.wte.weight" in flat.records
+    assert flat.extra["param_link"] == "inferred"
+    assert flat.records["optimizer/state/0/exp_avg"].param == "transformer.wte.weight"
+    out = unflatten_state(flat.skeleton, flat.tensors)
+    assert out["model"]["lm_head.weight"] is out["model"]["transformer.wte.weight"]
+    fresh = transformers.GPT2LMHeadModel(cfg)
+    fresh.load_state_dict(out["model"])
+    assert torch.equal(fresh.lm_head.weight, model.lm_head.weight)

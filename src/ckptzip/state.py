@@ -115,8 +115,13 @@ def _infer_param_names(model_sd: dict, opt_sd: dict) -> dict[int, str]:
     groups = opt_sd.get("param_groups") or []
     ids = [i for g in groups if isinstance(g, dict) for i in g.get("params", [])]
     state = opt_sd.get("state") or {}
-    keys = [k for k, v in model_sd.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
-            and not k.endswith(("running_mean", "running_var"))]
+    keys, ptrs = [], set()
+    for k, v in model_sd.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and not k.endswith(("running_mean", "running_var")):
+            if v.numel() and v.data_ptr() in ptrs:
+                continue  # a tied parameter (e.g. GPT-2's lm_head = wte) is one optimizer entry
+            ptrs.add(v.data_ptr())
+            keys.append(k)
     if len(keys) != len(ids):
         return {}
     out = {}
@@ -149,9 +154,16 @@ def flatten_state(state: dict, model: nn.Module | None = None,
 
     tensors: dict[str, torch.Tensor] = {}
     records: dict[str, TensorRecord] = {}
+    seen: dict[tuple, str] = {}  # tied tensors (same storage, offset, shape, strides) are stored once
 
     def record(path: list, t: torch.Tensor) -> dict:
         name = "/".join(str(p) for p in path)
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype) \
+            if t.numel() else None
+        if key in seen:
+            return {"__t": "alias", "ref": seen[key]}
+        if key is not None:
+            seen[key] = name
         if name in tensors:
             raise ValueError(f"two tensors map to the record name {name!r}; rename one of the keys")
         role, ltype, param = "tensor", "other", None
@@ -242,7 +254,7 @@ def unflatten_state(skeleton, tensors: dict[str, torch.Tensor]):
             tag = obj.get("__t")
             if tag is None:
                 return {k: walk(v) for k, v in obj.items()}
-            if tag == "tensor":
+            if tag in ("tensor", "alias"):
                 return tensors[obj["ref"]]
             if tag == "ndarray":
                 return tensors[obj["ref"]].contiguous().numpy().view(np.dtype(obj["np"])).copy()
@@ -272,7 +284,7 @@ def skeleton_refs(skeleton) -> list[str]:
 
     def walk(obj):
         if isinstance(obj, dict):
-            if obj.get("__t") in ("tensor", "ndarray"):
+            if obj.get("__t") in ("tensor", "ndarray", "alias"):
                 out.append(obj["ref"])
             else:
                 for v in obj.values():
