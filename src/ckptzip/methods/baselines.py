@@ -22,9 +22,8 @@ from ..quant import adaptive, gobo, uniform
 from ..quant import dynaquant as dq
 from ..state import FlatState, TensorRecord
 from . import qrecord
-from .base import (DecodeContext, EncodeContext, Encoded, Method, Reference, decode_exact, encode_exact, is_exact,
-                   register)
-from .dynaquant import decode_moment, quantize_moments, weight_records
+from .base import DecodeContext, EncodeContext, Encoded, Method, Reference, encode_exact, register
+from .dynaquant import decode_quantized, quantize_moments, weight_records
 
 
 def _check_common(cfg) -> None:
@@ -115,22 +114,7 @@ class _BaselineMethod(Method):
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
-        prev = reference.data if reference is not None else {}
-        out, codes_ref, pending = {}, {}, []
-        for name, rec in records.items():
-            if is_exact(encoded, name):
-                out[name] = decode_exact(encoded, name, rec)
-                continue
-            meta = encoded.records[name]["meta"]
-            q = qrecord.load(encoded, name, rec.shape, "float32" if "adam" in meta else rec.dtype, prev.get(name))
-            deq = dq.dequantize if rec.role != "weight" else self.module.dequantize
-            out[name] = deq(q)
-            if "adam" in meta:
-                pending.append((name, rec, meta["adam"]))
-            codes_ref[name] = (qrecord.compact(q.codes), q.n_levels)
-        for name, rec, a in pending:
-            decode_moment(out, name, rec, a)
-        return {n: t.to(ctx.device) for n, t in out.items()}, Reference(ctx.step, codes_ref)
+        return decode_quantized(records, encoded, reference, ctx, self.module.dequantize)
 
 
 @register

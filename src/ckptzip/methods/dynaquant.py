@@ -221,24 +221,31 @@ class DynaQuantMethod(Method):
     # ----------------------------------------------------------------------------------------
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
-        prev = reference.data if reference is not None else {}
-        out: dict[str, torch.Tensor] = {}
-        codes_ref = {}
-        pending_m = []
-        for name, rec in records.items():
-            if is_exact(encoded, name):
-                out[name] = decode_exact(encoded, name, rec)
-                continue
-            meta = encoded.records[name]["meta"]
-            # a normalized exp_avg decodes to u in fp32 first, then m = u * denominator(v)
-            q = qrecord.load(encoded, name, rec.shape, "float32" if "adam" in meta else rec.dtype, prev.get(name))
-            try:
-                out[name] = dq.dequantize(q)
-            except ValueError as e:
-                raise CorruptCheckpointError(f"record {name!r}: {e}") from None
-            if "adam" in meta:
-                pending_m.append((name, rec, meta["adam"]))
-            codes_ref[name] = (qrecord.compact(q.codes), q.n_levels)
-        for name, rec, a in pending_m:
-            decode_moment(out, name, rec, a)
-        return {n: t.to(ctx.device) for n, t in out.items()}, Reference(ctx.step, codes_ref)
+        return decode_quantized(records, encoded, reference, ctx, dq.dequantize)
+
+
+def decode_quantized(records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
+                     ctx: DecodeContext, dequantize_weight) -> tuple[dict[str, torch.Tensor], Reference]:
+    """Decode a file of exact and quantized records (dynaquant and the baselines): weights with
+    ``dequantize_weight``, moments with DynaQuant's recipe (v first, then m from the decoded v)."""
+    prev = reference.data if reference is not None else {}
+    out: dict[str, torch.Tensor] = {}
+    codes_ref = {}
+    pending_m = []
+    for name, rec in records.items():
+        if is_exact(encoded, name):
+            out[name] = decode_exact(encoded, name, rec)
+            continue
+        meta = encoded.records[name]["meta"]
+        # a normalized exp_avg decodes to u in fp32 first, then m = u * denominator(v)
+        q = qrecord.load(encoded, name, rec.shape, "float32" if "adam" in meta else rec.dtype, prev.get(name))
+        try:
+            out[name] = (dequantize_weight if rec.role == "weight" else dq.dequantize)(q)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"record {name!r}: {e}") from None
+        if "adam" in meta:
+            pending_m.append((name, rec, meta["adam"]))
+        codes_ref[name] = (qrecord.compact(q.codes), q.n_levels)
+    for name, rec, a in pending_m:
+        decode_moment(out, name, rec, a)
+    return {n: t.to(ctx.device) for n, t in out.items()}, Reference(ctx.step, codes_ref)
