@@ -46,7 +46,15 @@ def load(enc: Encoded, name: str, shape, dtype: str, prev: CodesRef | None) -> Q
         raise CorruptCheckpointError(f"record {name!r} has malformed quantizer metadata") from None
     if meta.get("delta") and prev is None:
         raise CorruptCheckpointError(f"record {name!r} is a delta but its parent checkpoint has no codes for it")
-    codes = decode_codes(enc.blob(name, "codes"), prev[0].long() if meta.get("delta") else None)
+    try:
+        codes = decode_codes(enc.blob(name, "codes"), prev[0].long() if meta.get("delta") else None)
+    except ValueError as e:  # header and record disagree (delta flag, code count): a damaged file
+        raise CorruptCheckpointError(f"record {name!r}: {e}") from None
+    n = 1
+    for d in shape:
+        n *= int(d)
+    if codes.numel() != n:
+        raise CorruptCheckpointError(f"record {name!r} holds {codes.numel()} codes for a tensor of {n} elements")
     codebook = tensor_from_bytes(enc.blob(name, "codebook"), "float32", (n_levels,))
     side = {k: tensor_from_bytes(enc.blob(name, f"side.{k}"), dt, tuple(shp)) for k, (dt, shp) in side_spec.items()}
     return QuantizedTensor(codes=codes, n_levels=n_levels, codebook=codebook, shape=tuple(shape), dtype=dtype,

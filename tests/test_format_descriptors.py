@@ -1,0 +1,149 @@
+"""docs/FORMAT.md's "Record pipelines by method" table matches what every method writes.
+
+DOCUMENTED is a copy of that table (pattern notation: ``x?`` optional, ``{a|b}/1`` one of). The
+tests check that the copy equals the table in the doc, that every available method is in it, and
+that two real saves per method (a tiny digits run) write only documented pipelines, delta-only
+descriptors only in delta files, and the blob parts FORMAT.md specifies. Edit the doc and this
+dict together.
+"""
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptzip
+from ckptzip import CheckpointChain
+from ckptzip.format import decode_container
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "FORMAT.md"
+
+_EXACT = ["exact/1, bytegroup/1", "exact/1, raw/1"]
+_EXCP_CODERS = "{ans|huffman|xz|zstd}/1"
+DOCUMENTED: dict[str, list[str]] = {
+    "lossless": ["lossless/1, bytegroup/1", "lossless/1, xor/1, bytegroup/1"],
+    "dynaquant": _EXACT + ["dynaquant/1, rle/1?, {huffman|ans|zstd}/1",
+                           "dynaquant/1, cyclic-delta/1, rearrange/1?, rle/1?, {huffman|ans|zstd}/1"],
+    "qd": _EXACT + ["qd/1, huffman/1", "qd/1, cyclic-delta/1, huffman/1"],
+    "cnr": _EXACT + ["cnr/1, huffman/1"],
+    "gobo": _EXACT + ["gobo/1, huffman/1"],
+    "bitsnap": _EXACT + ["bitsnap/1, bitmask/1", "bitsnap/1, bitmask/1, bytegroup/1", "bitsnap/1, bitmask/1, zstd/1",
+                         "bitsnap/1, cluster8/1", "bitsnap/1, cluster8/1, zero-if/1"],
+    "bitsnap-lossless": _EXACT + ["bitsnap/1, bitmask/1", "bitsnap/1, bitmask/1, bytegroup/1",
+                                  "bitsnap/1, bitmask/1, zstd/1"],
+    "excp": ["raw/1, xz/1", "excp-residual/1, excp-tensor/1, xz/1", "excp-tensor/1, xz/1", "excp-base/1"],
+    "excp-fixed": _EXACT + ["raw/1, {xz|zstd}/1", "excp-residual/1, excp-tensor/1",
+                            f"excp-residual/1, excp-tensor/1, excp-codes/1, {_EXCP_CODERS}", "kmeans-nonzero/1",
+                            f"kmeans-nonzero/1, excp-codes/1, {_EXCP_CODERS}", "excp-tensor/1",
+                            f"excp-tensor/1, excp-codes/1, {_EXCP_CODERS}"],
+}
+# descriptors that need a parent: never in a keyframe file (the sentence above the table)
+DELTA_ONLY = ["xor/1", "cyclic-delta/1", "rearrange/1", "bitmask/1", "excp-residual/1", "excp-base/1"]
+SHARED_BLOBS = {"excp": {"payload"}, "excp-fixed": {"payload", "codes"}}  # FORMAT.md 1.2
+QUANTIZED = {"dynaquant/1", "qd/1", "cnr/1", "gobo/1"}                      # M.2 records
+
+
+def expand(pattern: str) -> set[tuple[str, ...]]:
+    """Every concrete pipeline a pattern stands for."""
+    choices = []
+    for tok in pattern.split(", "):
+        optional = tok.endswith("?")
+        tok = tok.removesuffix("?")
+        alt = re.fullmatch(r"\{(.+)\}(/\d+)", tok)
+        opts = [a + alt.group(2) for a in alt.group(1).split("|")] if alt else [tok]
+        choices.append(opts + [None] if optional else opts)
+    return {tuple(t for t in combo if t is not None) for combo in itertools.product(*choices)}
+
+
+def doc_table() -> dict[str, list[str]]:
+    """The "Record pipelines by method" table of FORMAT.md: method -> its patterns."""
+    text = DOC.read_text(encoding="utf-8")
+    section = text.split("### Record pipelines by method", 1)[1].split("\n### ", 1)[0]
+    out = {}
+    for line in section.splitlines():
+        m = re.match(r"\| `([a-z0-9-]+)` \| (.*) \|$", line)
+        if m:
+            out[m.group(1)] = [p.replace("\\|", "|") for p in re.findall(r"`((?:[^`\\]|\\.)+)`", m.group(2))]
+    return out
+
+
+def expected_parts(record: dict) -> set[str]:
+    """The blob parts FORMAT.md gives a record (M.1, M.2, M.6-M.7, bitsnap, excp)."""
+    pipe, meta = record["pipeline"], record["meta"]
+    if pipe[0] in ("exact/1", "lossless/1"):
+        return {"data"}
+    if pipe[0] in QUANTIZED:
+        return {"codes", "codebook"} | {f"side.{k}" for k in meta["side"]}
+    if pipe[:2] == ["bitsnap/1", "cluster8/1"]:
+        return {"labels", "values", "scale", "min"}
+    if pipe[:2] == ["bitsnap/1", "bitmask/1"]:
+        if meta["kind"] == "same":
+            return set()
+        if pipe[2:] == ["bytegroup/1"]:
+            return {"values", "mask"} if meta["kind"] == "bitmask" else {"values"}
+        return {"payload"}
+    return set()  # excp / excp-fixed records point into the shared blobs
+
+
+@pytest.fixture(scope="module")
+def snapshots():
+    from ckptzip.demo.workloads import digits_run
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is faster on a shared box
+    try:
+        with torch.random.fork_rng(devices=[]):  # digits_run seeds the global RNG
+            return digits_run(n_checkpoints=2, steps_between=5, hidden=64)[2]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_table_in_doc_matches_this_copy():
+    assert doc_table() == DOCUMENTED
+    text = " ".join(DOC.read_text(encoding="utf-8").split())
+    assert ("appears only in delta files (a keyframe file never holds one): "
+            + ", ".join(f"`{d}`" for d in DELTA_ONLY) + ".") in text
+
+
+def test_every_available_method_is_documented():
+    assert set(ckptzip.available_methods()) == set(DOCUMENTED)
+
+
+def test_expand():
+    assert expand("a/1, b/1?, {x|y}/1") == {("a/1", "x/1"), ("a/1", "y/1"), ("a/1", "b/1", "x/1"),
+                                             ("a/1", "b/1", "y/1")}
+
+
+@pytest.mark.parametrize("method", ckptzip.available_methods())
+def test_written_records_match_the_doc(method, snapshots, tmp_path):
+    torch.set_num_threads(1)  # conftest restores the count
+    allowed = set().union(*(expand(p) for p in DOCUMENTED[method]))
+    makes_deltas = any(d in p for p in DOCUMENTED[method] for d in DELTA_ONLY)
+    chain = CheckpointChain(tmp_path / method, method)
+    for s in snapshots:
+        chain.save({"model": s.model, "optimizer": s.optimizer}, s.step)
+    entries = chain.entries()
+    assert len(entries) == 2 and entries[0].keyframe
+    assert entries[1].keyframe is not makes_deltas  # delta-capable methods write a delta at save 2
+    for e in entries:
+        m = decode_container(chain.storage.read(e.file), name=e.file).manifest
+        assert m["keyframe"] is e.keyframe and (m["parent_step"] is None) is e.keyframe
+        shared = {k for k in m["blobs"] if not k[0].isdigit()}
+        assert shared == SHARED_BLOBS.get(method, set()), e.file
+        seen = set()
+        for name, r in m["records"].items():
+            pipe = tuple(r["pipeline"])
+            assert pipe in allowed, f"{method} {e.file} {name}: {list(pipe)} is not in docs/FORMAT.md"
+            seen.update(pipe)
+            assert set(r["blobs"]) == expected_parts(r), f"{method} {name}: blobs {sorted(r['blobs'])}"
+            if pipe[0] in QUANTIZED:  # M.2: meta.delta mirrors the cyclic-delta stage
+                assert isinstance(r["meta"]["n_levels"], int) and isinstance(r["meta"]["side"], dict)
+                assert r["meta"]["delta"] is ("cyclic-delta/1" in pipe), name
+        delta_only = seen & set(DELTA_ONLY)
+        if e.keyframe:
+            assert not delta_only, f"{method} keyframe {e.file} holds {sorted(delta_only)}"
+        else:
+            assert delta_only, f"{method} delta {e.file} holds no delta-only descriptor"
