@@ -41,41 +41,51 @@ child part's codes are stored only where its parent part is non-zero, split into
 the parent's code (static conditional coding), and every stream kind keeps the smallest of
 ANS / Huffman / xz / zstd-19 per checkpoint.
 
-Payload layout. ``excp``: one shared blob ``"payload"`` = xz(concatenation of byte spans); every
-record has no blob of its own and names its spans ``[offset, length]`` into the decompressed
-payload in its meta. ``excp-fixed``: ``"payload"`` (codebooks, dense parts, small exact tensors;
-xz or zstd-19, whichever is smaller, named in ``method_meta["payload"]["stage"]``), ``"codes"``
-(the code sub-streams, ``method_meta["streams"]``), and one ``<i>.data`` blob per large exact
-tensor (``exact/1 + bytegroup/1``, as base.encode_exact).
+Tied tensors (GPT-2's ``lm_head.weight`` is ``wte.weight``) are one record already: flatten_state
+writes the second name as an alias in the skeleton, so the restore shares the decoded value.
 
-Record pipelines (first entry says how to decode)::
+Payload layout. ``excp``: ONE shared blob ``"payload"`` = xz(concatenation of byte spans); records
+have no blobs of their own and carry ``[offset, length]`` spans into the decompressed payload in
+their meta; ``method_meta["payload"] = {"stage": "xz/1", "raw_bytes": n}``. A parameter's spans
+are quant/excp's blobs (``dw.codes``, ``dw.codebook`` or ``dw.dense``, same for ``m``, ``v``).
+``excp-fixed``: ``"payload"`` (codebooks, dense parts, small exact tensors; xz or zstd-19,
+whichever is smaller, in ``method_meta["payload"]["stage"]``); ``"codes"``, the code sub-streams:
+``method_meta["streams"][kind] = {"coder", "subs": {context: [offset, length, n_codes]}}`` for
+kind dw / m / v. Context 0: a part coded at every element; 1..2**bits-1: the codes of a child part
+(m under dW, v under m) where the parent's code is that value (only the parent's non-zeros are
+coded); 2**bits: under a dense parent. Each sub-stream concatenates its parameters in sorted
+weight-record order. Plus one ``<i>.data`` blob per large exact tensor (``exact/1, bytegroup/1``,
+base.encode_exact), the keyframe's weights among them.
 
-    excp        keyframe record            raw/1, xz/1                    meta {"span"}
-                parameter weight (delta)   excp-residual/1, excp-tensor/1, xz/1
-                                           meta {"excp": encode_tensor meta, "spans": {blob key: span}}
-                its exp_avg / exp_avg_sq   excp-tensor/1, xz/1            meta {"of": weight, "part": "m"|"v"}
-                optimizer step (delta)     excp-base/1                    (no bytes: the keyframe's value)
-                anything else              raw/1, xz/1
-    excp-fixed  parameter weight (delta)   excp-residual/1, excp-tensor/1, excp-codes/1, <coder>/1
-                weight (keyframe)          exact/1, bytegroup/1   or   kmeans-nonzero/1, excp-codes/1, <coder>/1
+Record pipelines (the first entry says how to decode)::
+
+    excp        keyframe record            raw/1, xz/1                  meta {"span"}
+                weight (delta)             excp-residual/1, excp-tensor/1, xz/1
+                                           meta {"excp": tensor meta, "spans": {"dw.codes": span, ...}}
+                its exp_avg / exp_avg_sq   excp-tensor/1, xz/1          meta {"of": weight record, "part": "m"|"v"}
+                optimizer step (delta)     excp-base/1                  no bytes: the keyframe's value
+                anything else (delta)      raw/1, xz/1
+    excp-fixed  weight (delta)             excp-residual/1, excp-tensor/1, excp-codes/1, <coder>/1
+                weight (keyframe)          exact/1, bytegroup/1  |  kmeans-nonzero/1, excp-codes/1, <coder>/1
+                                           meta {"excp": {..., "parts": {p: {"mode", "nnz", "cond", "span"}}}}
                 exp_avg / exp_avg_sq       excp-tensor/1 | kmeans-nonzero/1, excp-codes/1, <coder>/1
-                small exact tensor         raw/1, <xz|zstd>/1
-                large exact tensor         exact/1, bytegroup/1
+                small exact tensor         raw/1, xz/1 | zstd/1         meta {"span"} into the payload
+                large exact float tensor   exact/1, bytegroup/1
+
+<coder> is ans, huffman, xz or zstd (zstd-19 / xz over the packed codes of the sub-streams).
 """
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 import torch
 import zstandard
 
 from ..errors import ConfigError, CorruptCheckpointError
-from ..quant.excp import (EXCP_FAITHFUL, FORMAT as TENSOR_FORMAT, PARTS, ExcpConfig, apply_residual, decode_tensor,
+from ..quant.excp import (FORMAT as TENSOR_FORMAT, PARTS, ExcpConfig, apply_residual, decode_tensor,
                           encode_tensor, lzma_compress, lzma_decompress, pack_codes, quantize_nonzeros, residual,
                           unpack_codes)
 from ..state import FlatState, TensorRecord
@@ -121,7 +131,8 @@ class ExcpFixedConfig:
         if not self.coders or any(c not in CODERS for c in self.coders):
             raise ConfigError(f"ExcpFixedConfig.coders must be a non-empty subset of {CODERS}, got {self.coders!r}")
         if not (isinstance(self.exact_zstd_level, int) and 1 <= self.exact_zstd_level <= 22):
-            raise ConfigError(f"ExcpFixedConfig.exact_zstd_level must be an int in 1..22, got {self.exact_zstd_level!r}")
+            raise ConfigError(f"ExcpFixedConfig.exact_zstd_level must be an int in 1..22, "
+                              f"got {self.exact_zstd_level!r}")
         if not (isinstance(self.exact_min_bytes, int) and self.exact_min_bytes >= 0):
             raise ConfigError(f"ExcpFixedConfig.exact_min_bytes must be an int >= 0, got {self.exact_min_bytes!r}")
 
@@ -154,6 +165,15 @@ def adam_parameters(records: dict[str, TensorRecord]) -> dict[str, tuple[str, st
         if m.is_float and v.is_float and r.shape == m.shape == v.shape:
             out[r.name] = (m.name, v.name)
     return out
+
+
+def _moments(later: list, moments: dict, out: dict) -> None:
+    """Give each exp_avg / exp_avg_sq record its part of the jointly decoded parameter."""
+    for name, rec, meta in later:
+        pair = moments.get(meta.get("of"))
+        if pair is None or meta.get("part") not in ("m", "v"):
+            raise CorruptCheckpointError(f"record {name!r} names no decoded ExCP parameter ({meta.get('of')!r})")
+        out[name] = _check(name, pair[0] if meta["part"] == "m" else pair[1], rec)
 
 
 class _Spans:
@@ -248,6 +268,12 @@ def _with_base_groups(skeleton, base_groups) -> tuple[object, bool]:
     return new, True
 
 
+def _stored(tmeta: dict) -> dict:
+    """The tensor meta without its pruning figures: the manifest is uncompressed JSON, and the
+    figures only feed the checkpoint's summary (``w_kept``, ``m_kept``)."""
+    return {k: v for k, v in tmeta.items() if k != "prune"}
+
+
 def _summary(prune_facts: list[dict]) -> dict:
     n = sum(p["numel"] for p in prune_facts)
     if not n:
@@ -289,7 +315,8 @@ class ExcpMethod(Method):
                     continue  # no reconstructed weights to take a residual from: exact below
                 blobs, tmeta = encode_tensor(residual(w, w_prev.to(w.device)), state.tensors[mname],
                                              state.tensors[vname], self.config)
-                enc.add(wname, [RESIDUAL, TENSOR, XZ], {"excp": tmeta, "spans": {k: spans.add(b) for k, b in blobs.items()}})
+                enc.add(wname, [RESIDUAL, TENSOR, XZ], {"excp": _stored(tmeta),
+                                                         "spans": {k: spans.add(b) for k, b in blobs.items()}})
                 enc.add(mname, [TENSOR, XZ], {"of": wname, "part": "m"})
                 enc.add(vname, [TENSOR, XZ], {"of": wname, "part": "v"})
                 dw_hat = decode_tensor(blobs, tmeta, device=w.device)[0]  # what the decoder will add
@@ -309,7 +336,7 @@ class ExcpMethod(Method):
             state.skeleton, patched = _with_base_groups(state.skeleton, prev["groups"])
             enc.meta["excp"] = {"param_groups_from_base": patched}
             enc.meta["summary"] = _summary(facts)
-            ref = {"w": {n: new_w[n] for n in weights if n in new_w}, "base": base, "groups": prev["groups"]}
+            ref = {"w": {n: new_w[n] for n in weights}, "base": base, "groups": prev["groups"]}
         raw = spans.getvalue()
         enc.blobs[PAYLOAD] = lzma_compress(raw)
         enc.meta["payload"] = {"stage": XZ, "raw_bytes": len(raw)}
@@ -333,7 +360,7 @@ class ExcpMethod(Method):
                 w_prev = prev["w"].get(name)
                 spans = meta.get("spans")
                 if w_prev is None or not isinstance(spans, dict):
-                    raise CorruptCheckpointError(f"record {name!r} is an ExCP residual but its parent lacks the weights")
+                    raise CorruptCheckpointError(f"record {name!r} is an ExCP residual; its parent lacks the weights")
                 blobs = {k: _cut(raw, s, name) for k, s in spans.items()}
                 dw, m, v = decode_tensor(blobs, meta.get("excp"), device=ctx.device)
                 out[name] = _check(name, apply_residual(w_prev.to(ctx.device), dw), rec)
@@ -341,22 +368,18 @@ class ExcpMethod(Method):
             elif kind == FROM_BASE and prev is not None:
                 b = prev["base"].get(name)
                 if b is None:
-                    raise CorruptCheckpointError(f"record {name!r} takes the keyframe's value, which the keyframe lacks")
+                    raise CorruptCheckpointError(f"record {name!r} takes the keyframe's value; the keyframe lacks it")
                 out[name] = _check(name, b.clone().to(ctx.device), rec)
             elif kind == TENSOR:
                 later.append((name, rec, meta))
             else:
                 raise CorruptCheckpointError(f"record {name!r} has pipeline {pipe} that excp cannot decode here")
-        for name, rec, meta in later:
-            pair = moments.get(meta.get("of"))
-            if pair is None or meta.get("part") not in ("m", "v"):
-                raise CorruptCheckpointError(f"record {name!r} names no decoded ExCP parameter ({meta.get('of')!r})")
-            out[name] = _check(name, pair[0] if meta["part"] == "m" else pair[1], rec)
-        weights = [n for n in _weight_records(records)]
+        _moments(later, moments, out)
+        weights = _weight_records(records)
         if prev is None:
             groups = (encoded.meta.get("excp") or {}).get("base_param_groups")
-            ref = {"w": {n: out[n] for n in weights},
-                   "base": {n: out[n] for n, r in records.items() if r.role == "step"}, "groups": groups}
+            ref = {"w": {n: out[n] for n in weights}, "groups": groups,
+                   "base": {n: out[n] for n, r in records.items() if r.role == "step"}}
         else:
             ref = {"w": {n: out[n] for n in weights}, "base": prev["base"], "groups": prev["groups"]}
         return out, Reference(ctx.step, ref)
@@ -409,7 +432,7 @@ def _part_values(part: _Part, numel: int, cb_dtype: str, bits: int, shape, dtype
     else:
         centers = tensor_from_bytes(part.codebook, cb_dtype, (2 ** bits - 1,))
         table = torch.cat([torch.zeros(1), centers.to(torch.float32)])
-        x = table[torch.from_numpy(part.codes.astype(np.int64))]
+        x = table.index_select(0, torch.from_numpy(part.codes.astype(np.int64)))
     return x.reshape(shape).to(device=device, dtype=torch_dtype(dtype))
 
 
@@ -551,7 +574,8 @@ class _StreamReader:
         for p, subs in self.subs.items():
             for c, s in subs.items():
                 if self.pos[p][c] != s.size:
-                    raise CorruptCheckpointError(f"ExCP {p} code sub-stream {c} has {s.size - self.pos[p][c]} extra codes")
+                    raise CorruptCheckpointError(f"ExCP {p} code sub-stream {c} has {s.size - self.pos[p][c]} "
+                                                 "codes no parameter reads")
 
 
 @register
@@ -597,7 +621,7 @@ class ExcpFixedMethod(Method):
             for p, part in parts.items():
                 tmeta["parts"][p] = {**tmeta["parts"][p], "cond": cond.get(p, False),
                                      "span": spans.add(part.codebook if part.mode == "kmeans" else part.dense)}
-            joint[wname] = (mname, vname, tmeta, first)
+            joint[wname] = (mname, vname, _stored(tmeta), first)
         codes, smeta = streams.finish(cfg.coders)  # the coder of each kind is known only now
         tag = {p: [STREAMS, f"{smeta[p]['coder']}/1"] if p in smeta else [] for p in PARTS}
         for wname, (mname, vname, tmeta, first) in joint.items():
@@ -626,8 +650,7 @@ class ExcpFixedMethod(Method):
         enc.meta.update(payload={"stage": stage, "raw_bytes": len(raw)}, streams=smeta,
                         summary={**_summary(facts), "coders": ",".join(f"{p}={smeta[p]['coder']}" for p in smeta),
                                  "payload_stage": stage})
-        weights = _weight_records(state.records)
-        return enc, Reference(ctx.step, {"w": {n: new_w[n] for n in weights if n in new_w}})
+        return enc, Reference(ctx.step, {"w": {n: new_w[n] for n in _weight_records(state.records)}})
 
     def _exact(self, enc: Encoded, spans: _Spans, name: str, t: torch.Tensor, meta: dict, force_blob: bool = False):
         """Large floats: own byte-grouped blob; the rest raw into the payload (its stage compresses them)."""
@@ -664,11 +687,7 @@ class ExcpFixedMethod(Method):
             else:
                 raise CorruptCheckpointError(f"record {name!r} has pipeline {pipe} that excp-fixed cannot decode")
         streams.check_consumed()
-        for name, rec, meta in later:
-            pair = moments.get(meta.get("of"))
-            if pair is None or meta.get("part") not in ("m", "v"):
-                raise CorruptCheckpointError(f"record {name!r} names no decoded ExCP parameter ({meta.get('of')!r})")
-            out[name] = _check(name, pair[0] if meta["part"] == "m" else pair[1], rec)
+        _moments(later, moments, out)
         return out, Reference(ctx.step, {"w": {n: out[n] for n in _weight_records(records)}})
 
     def _decode_joint(self, name, rec, pipe, tmeta, raw, streams, encoded, prev, ctx):
@@ -698,7 +717,7 @@ class ExcpFixedMethod(Method):
             if tmeta["format"] == TENSOR_FORMAT:  # delta: the shared tensor core decodes it
                 w_prev = prev["w"].get(name) if prev is not None else None
                 if w_prev is None or pipe[0] != RESIDUAL or set(parts) != set(PARTS):
-                    raise CorruptCheckpointError(f"record {name!r} is an ExCP residual but its parent lacks the weights")
+                    raise CorruptCheckpointError(f"record {name!r} is an ExCP residual; its parent lacks the weights")
                 blobs = {}
                 for p, part in parts.items():
                     if part.mode == "kmeans":
@@ -724,4 +743,4 @@ class ExcpFixedMethod(Method):
             raise CorruptCheckpointError(f"record {name!r}: ExCP meta is malformed ({e!r})") from None
 
 
-__all__ = ["ExcpMethod", "ExcpFixedMethod", "ExcpFixedConfig", "adam_parameters", "EXCP_FAITHFUL"]
+__all__ = ["ExcpMethod", "ExcpFixedMethod", "ExcpFixedConfig", "adam_parameters"]
