@@ -109,3 +109,23 @@ def test_corrupt_delta_is_detected(chain_and_run):
     open(path, "wb").write(bytes(raw))
     problems = ch.verify()
     assert problems and entries[2].file in problems[0]
+
+
+def test_restarted_writer_resumes_the_search(tmp_path, digits_snapshots):
+    from ckptzip.methods.base import EncodeContext
+
+    torch.set_num_threads(1)
+    model, opt, snaps, ev = digits_snapshots
+    scratch = copy.deepcopy(model)
+
+    def save(chain, s):
+        scratch.load_state_dict(s.model)
+        ctx = EncodeContext(step=s.step, model=scratch, eval_fn=ev, threshold=0.02)
+        return chain.save({"model": s.model, "optimizer": s.optimizer}, s.step, model=model, optimizer=opt, ctx=ctx)
+
+    first = save(CheckpointChain(tmp_path, "dynaquant"), snaps[5])
+    assert first.summary["search"] == "exhaustive"
+    # a crash: a new process (new method object) on the same chain continues the steady-state search
+    again = save(CheckpointChain(tmp_path, "dynaquant"), snaps[6])
+    assert again.summary["search"] in ("neighbourhood", "fallback") and not again.keyframe
+    assert again.summary["evals"] < first.summary["evals"]

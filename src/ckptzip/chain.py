@@ -242,7 +242,8 @@ class CheckpointChain:
         if self._ref is not None and self._ref_checked:
             return self._ref
         if self._ref is None or self._ref_step_in_chain(entries) is False:
-            self._ref = self._replay(last.step, entries)[1]
+            (_, manifest), self._ref = self._replay(last.step, entries)
+            self.method.resume(manifest.get("method_meta", {}))
         self._ref_checked = True
         return self._ref
 
@@ -260,6 +261,7 @@ class CheckpointChain:
         (flat, manifest), ref = self._replay(target, entries, device=device)
         if entries[-1].step == target and entries[-1].method == self.method.descriptor:
             self._ref, self._ref_checked = ref, True  # a resumed run's next save is a delta again
+            self.method.resume(manifest.get("method_meta", {}))
             # load_state_dict keeps the tensors it is given and training mutates them in place:
             # hand out copies of anything the writer's reference still holds
             held = _tensor_ids(ref.data)

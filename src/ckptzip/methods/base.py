@@ -79,6 +79,7 @@ class EncodeContext:
     higher_is_better: bool = False
     gradients: dict[str, torch.Tensor] | None = None  # param name -> gradient EMA (sensitivity)
     force_keyframe: bool = False
+    process_group: object | None = None           # parallel search trials; every rank must call save
 
 
 @dataclass
@@ -122,6 +123,10 @@ class Method(ABC):
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
         """Rebuild every record's tensor; return them and the reference for the next file."""
+
+    def resume(self, method_meta: dict) -> None:
+        """A writer restarted on an existing chain: take back state kept in the latest file's
+        ``Encoded.meta`` (e.g. the config search's previous best). Called after the reference is rebuilt."""
 
     def close(self) -> None:
         """Release resources (worker pools, process groups)."""

@@ -61,6 +61,7 @@ class DynaQuantMethodConfig:
     search: bool = True
     search_policy: str = "monotone"  # "monotone": never more aggressive than the previous best; "free"
     search_neighbourhood: int = 1    # e: steps from the previous best in the steady state
+    search_space: dict | None = None # SearchSpace fields (search/cube.py); None: the paper's table
 
     def __post_init__(self):
         if self.optimizer not in ("quantize", "lossless"):
@@ -207,7 +208,13 @@ class DynaQuantMethod(Method):
                                             rearrange=c.rearrange, rle=c.rle, meta=meta)
         enc.meta["summary"] = {**{k: getattr(qcfg, k) for k in QUANTIZER_KNOBS}, **search_info,
                                "search_s": round(search_s, 3)}
+        if self.search_state is not None:
+            enc.meta["search_state"] = self.search_state  # a restarted writer resumes the search from it
         return enc, Reference(ctx.step, codes_ref)
+
+    def resume(self, method_meta: dict) -> None:
+        if self.search_state is None and isinstance(method_meta.get("search_state"), dict):
+            self.search_state = method_meta["search_state"]
 
     def _choose(self, state: FlatState, reference, ctx: EncodeContext):
         base = self.config.quantizer()

@@ -1,0 +1,180 @@
+"""The quality check: does a candidate's reconstruction score within the threshold of the exact state?
+
+The user gives ``eval_fn(model) -> float`` (lower is better unless ``higher_is_better``) and a
+relative ``threshold`` per checkpoint (default 0.01). A candidate is feasible when
+
+    degradation = (score - baseline) / |baseline|      (lower is better)
+                  (baseline - score) / |baseline|      (higher is better)
+                  <= threshold
+
+where ``baseline`` is the score of the *state being saved* loaded exactly (not the live model,
+which may already have moved on) and ``score`` that of the same state with the quantized weights
+replaced by their dequantized values. A baseline of exactly 0 makes the difference absolute.
+A non-finite score is infinitely degraded. Only model weights are judged: optimizer moments do
+not change what ``eval_fn`` sees.
+
+Evaluation happens on a scratch copy of the model (one deepcopy per search, reused for every
+trial) loaded with ``load_state_dict`` of the state_dict rebuilt from the state's skeleton, as
+``restore`` rebuilds it: a tied weight (GPT-2's lm_head = wte) gets the same reconstruction.
+Around each ``eval_fn`` call the torch (CPU and CUDA), numpy and python RNG states are saved and
+restored, and the scratch's train/eval flags are put back; the live model is never touched.
+
+    judge = QualityJudge(model, eval_fn, flat_state, threshold=0.01)
+    v = judge.check({"model/fc1.weight": w_hat})   # -> Verdict(feasible, degradation, score)
+    judge.close()
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import random
+from collections.abc import Callable, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import ConfigError, NonFiniteError
+from ..state import FlatState, unflatten_state
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    feasible: bool
+    degradation: float   # relative (see module docstring); may be negative (the candidate scores better)
+    score: float
+
+
+@contextmanager
+def preserved_rng():
+    """Restore the torch (CPU, CUDA), numpy and python RNG states on exit."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+
+
+def _noop_hook(*args, **kwargs):
+    return None
+
+
+def unwrap(model: nn.Module) -> tuple[nn.Module, str]:
+    """(the module to copy, the state_dict key prefix its wrapper adds): DDP adds "module."."""
+    if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
+        return model.module, "module."
+    return model, ""
+
+
+def scratch_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` for trial evaluations, without observer hooks.
+
+    Hooks that are bound methods of non-module objects (gradient recorders, profilers) would
+    otherwise deep-copy their owner, or count the scratch's forward passes as training: they are
+    replaced by no-ops in the copy. Callable objects and plain functions (weight_norm's and
+    spectral_norm's pre-hooks) are copied, since the forward pass depends on them.
+    """
+    inner, _ = unwrap(model)
+    memo: dict[int, object] = {}
+    for mod in inner.modules():
+        for attr in _HOOK_DICTS:
+            for h in getattr(mod, attr, {}).values():
+                if inspect.ismethod(h) and not isinstance(h.__self__, nn.Module):
+                    memo[id(h)] = _noop_hook
+    try:
+        scratch = copy.deepcopy(inner, memo)
+    except Exception as e:  # noqa: BLE001 - any failure means the same fix
+        raise ConfigError(f"the config search evaluates a deep copy of the model, but it cannot be copied "
+                          f"({type(e).__name__}: {e}); pass the unwrapped nn.Module as the model") from e
+    for p in scratch.parameters():
+        p.grad = None
+    return scratch
+
+
+def model_skeleton(state: FlatState):
+    """The skeleton of the state's ``model`` entry (None if the state has none)."""
+    sk = state.skeleton
+    return sk.get("model") if isinstance(sk, dict) and isinstance(sk.get("model"), dict) else None
+
+
+class QualityJudge:
+    """Scores candidate reconstructions of one state against its exact score (see module docstring)."""
+
+    def __init__(self, model: nn.Module, eval_fn: Callable[[nn.Module], float], state: FlatState, *,
+                 threshold: float = 0.01, higher_is_better: bool = False):
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"the config search needs the live nn.Module as model, got {type(model).__name__}")
+        if not callable(eval_fn):
+            raise ConfigError("eval_fn must be a callable eval_fn(model) -> float")
+        if not (isinstance(threshold, int | float) and math.isfinite(threshold) and threshold >= 0):
+            raise ConfigError(f"threshold is a relative degradation >= 0 (0.01 = 1%), got {threshold!r}")
+        self.eval_fn = eval_fn
+        self.threshold = float(threshold)
+        self.higher_is_better = bool(higher_is_better)
+        self.evals = 0
+        _, self._prefix = unwrap(model)
+        self._state = state
+        self._skeleton = model_skeleton(state)
+        if self._skeleton is None:
+            raise ConfigError("the config search found no model weights in the state; save the model's "
+                              "state_dict under the key 'model'")
+        self._model_records = {n for n, r in state.records.items() if n.startswith("model/")}
+        self._scratch = scratch_copy(model)
+        self._modes = [(m, m.training) for m in self._scratch.modules()]
+        self.baseline = self.score({})
+        self.evals = 0  # the baseline is not a trial
+        if not math.isfinite(self.baseline):
+            raise NonFiniteError(f"eval_fn returned {self.baseline} for the uncompressed state; the config "
+                                 "search needs a finite score")
+
+    def state_dict(self, replacements: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model state_dict of the state with ``replacements`` (record name -> tensor) swapped
+        in, rebuilt through the skeleton as restore does (tied weights share the replacement)."""
+        unknown = set(replacements) - self._model_records
+        if unknown:
+            raise ConfigError(f"replacement(s) for {sorted(unknown)[:3]} are not model records of the state")
+        sd = unflatten_state(self._skeleton, {**self._state.tensors, **replacements})
+        if self._prefix:
+            sd = {k[len(self._prefix):] if k.startswith(self._prefix) else k: v for k, v in sd.items()}
+        return sd
+
+    def score(self, replacements: Mapping[str, torch.Tensor]) -> float:
+        """eval_fn on the state with ``replacements`` (record name, e.g. ``model/fc1.weight``)."""
+        self._scratch.load_state_dict(self.state_dict(replacements))
+        try:
+            with preserved_rng():
+                s = self.eval_fn(self._scratch)
+        finally:
+            for m, training in self._modes:
+                m.training = training
+        self.evals += 1
+        return float(s.item() if isinstance(s, torch.Tensor) else s)
+
+    def degradation(self, score: float) -> float:
+        if not math.isfinite(score):
+            return math.inf
+        diff = (self.baseline - score) if self.higher_is_better else (score - self.baseline)
+        return diff / abs(self.baseline) if self.baseline != 0 else diff
+
+    def check(self, replacements: Mapping[str, torch.Tensor]) -> Verdict:
+        s = self.score(replacements)
+        d = self.degradation(s)
+        return Verdict(d <= self.threshold, d, s)
+
+    def close(self) -> None:
+        self._scratch = None
+        self._modes = []

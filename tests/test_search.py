@@ -1,0 +1,277 @@
+"""Config search (search/): the cube and its frontier search, the quality judge, the exhaustive /
+neighbourhood / fallback strategies on a real digits run, and the chain summary they write.
+"""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from ckptzip.chain import CheckpointChain
+from ckptzip.demo.workloads import DigitsMLP, digits_data
+from ckptzip.errors import ConfigError
+from ckptzip.methods.base import EncodeContext, Reference, get_method
+from ckptzip.methods.dynaquant import quantize_weights
+from ckptzip.quant.dynaquant import dequantize
+from ckptzip.search import QualityJudge, SearchSpace, search_config
+from ckptzip.search.cube import ConfigCube, MonotoneOracle, guided_search, leq, speculate
+from ckptzip.state import flatten_state
+
+
+# ----------------------------------------------------------------------------- cube (pure logic)
+def test_space_validation_and_axis_order():
+    with pytest.raises(ConfigError, match="bins"):
+        SearchSpace(bins=())
+    with pytest.raises(ConfigError, match="prune_fractions"):
+        SearchSpace(prune_fractions=(0.0, 1.2))
+    with pytest.raises(ConfigError, match="prune_metrics"):
+        SearchSpace(prune_metrics=("hessian",))
+    with pytest.raises(ConfigError, match="< 1"):
+        SearchSpace(prune_fractions=(0.9,), protect_fractions=(0.2,))
+    with pytest.raises(ConfigError, match="no field"):
+        SearchSpace.from_any({"bin": [4]})
+    cube = ConfigCube(SearchSpace.from_any({"bins": [16, 4, 8], "prune_fractions": [0.0, 0.3]}))
+    # index 0 = most aggressive on every axis
+    assert cube.axes[0] == (4, 8, 16) and cube.axes[1] == (0.3, 0.0) and cube.axes[2] == (0.0005, 0.005, 0.01)
+    assert len(ConfigCube()) == 6 * 6 * 3 * 2 and ConfigCube(embedding=False).shape == (6, 6, 3, 1)
+    c = cube.candidate((1, 0, 2, 1), "magnitude")
+    assert (c.bins, c.prune_fraction, c.protect_fraction, c.embedding_bins) == (8, 0.3, 0.01, 32)
+    assert cube.point(c) == (1, 0, 2, 1)
+
+
+def _minimal(points):
+    return {p for p in points if not any(q != p and leq(q, p) for q in points)}
+
+
+def test_guided_search_finds_the_whole_frontier_cheaply():
+    cube = ConfigCube()
+    pts = list(cube.points())
+    evals = []
+    for seed in range(60):
+        rng = random.Random(seed)
+        gens = [tuple(rng.randrange(n) for n in cube.shape) for _ in range(rng.randint(1, 5))]
+        feasible = {p for p in pts if any(leq(g, p) for g in gens)}
+        n = [0]
+
+        def ev(p):
+            n[0] += 1
+            return p in feasible
+
+        found = guided_search(cube.bottom, cube.top, MonotoneOracle(ev))
+        assert set(found) <= feasible
+        assert _minimal(feasible) <= set(found), f"seed {seed}: missed a frontier point"
+        evals.append(n[0])
+    assert np.mean(evals) < 0.25 * len(cube), evals
+
+
+def test_speculation_never_changes_the_result():
+    # a NON-monotone feasibility: parallel rounds must still decide exactly like one process
+    cube = ConfigCube()
+
+    def search(answer):
+        oracle = MonotoneOracle(answer)
+        return guided_search(cube.bottom, cube.top, oracle), dict(oracle.asked)
+
+    for seed in range(12):
+        rng = random.Random(100 + seed)
+        table = {p: rng.random() < 0.2 + 0.1 * sum(p) for p in cube.points()}
+        runs = []
+        for width in (1, 2, 4):
+            cache, rounds = {}, 0
+            while width > 1 and (spec := speculate(search, cache.get, width)):
+                assert len(spec) <= width and not set(spec) & set(cache)
+                cache.update({p: table[p] for p in spec})
+                rounds += 1
+
+            def answer(p, cache=cache):
+                if p not in cache:
+                    cache[p] = table[p]
+                return cache[p]
+
+            result = search(answer)
+            runs.append((result, rounds or len(cache)))
+        assert runs[0][0] == runs[1][0] == runs[2][0]
+        assert runs[2][1] < runs[1][1] < runs[0][1], [r[1] for r in runs]
+
+
+def test_neighbourhood_respects_the_monotone_policy():
+    cube = ConfigCube()
+    p = (2, 3, 1, 0)
+    mono = cube.neighbourhood(p, 1, monotone=True)
+    free = cube.neighbourhood(p, 1, monotone=False)
+    assert mono[0] == p and free[0] == p
+    assert all(sum(abs(a - b) for a, b in zip(q, p)) <= 1 for q in free) and len(free) == 1 + 7  # emb axis at 0
+    assert set(mono) == {p} | {q for q in free if not leq(q, p)}
+    assert len(cube.neighbourhood(p, 2, monotone=False)) > len(free)
+
+
+# ----------------------------------------------------------------------------- real digits run
+@pytest.fixture(scope="module")
+def run(request):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, opt, snaps, eval_fn = request.getfixturevalue("digits_snapshots")
+    finally:
+        torch.set_num_threads(threads)
+    return snaps, eval_fn
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _flat(snap, model):
+    return flatten_state({"model": snap.model}, model)
+
+
+def _live(snap):
+    m = DigitsMLP(128)
+    m.load_state_dict(snap.model)
+    return m
+
+
+def _measure(snap, flat, qcfg, grads, eval_fn, higher_is_better=False):
+    """Independent re-measurement: a fresh model, the dequantized weights, the user's eval_fn."""
+    ref = _live(snap)
+    base = eval_fn(ref)
+    m = _live(snap)
+    sd = dict(snap.model)
+    for name, q in quantize_weights(flat, qcfg, grads).items():
+        sd[name.split("/", 1)[1]] = dequantize(q)
+    m.load_state_dict(sd)
+    s = eval_fn(m)
+    return ((base - s) if higher_is_better else (s - base)) / abs(base)
+
+
+def test_judge_leaves_live_model_rng_and_mode_alone(run):
+    snaps, eval_fn = run
+    live = _live(snaps[4])
+    live.train()
+    live.fc2.eval()  # a mixed mode must survive too
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+
+    def greedy_eval(m):  # consumes every RNG and flips modes, as careless eval code does
+        torch.rand(3), np.random.rand(), random.random()
+        m.eval()
+        return eval_fn(m)
+
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)
+    rng = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    flat = _flat(snaps[2], live)  # judge an *older* state than the live weights
+    judge = QualityJudge(live, greedy_eval, flat, threshold=0.01)
+    v = judge.check({"model/fc1.weight": torch.zeros(128, 64)})
+    assert torch.equal(torch.get_rng_state(), rng[0]) and np.array_equal(np.random.get_state()[1], rng[1])
+    assert random.getstate() == rng[2]
+    assert live.training and not live.fc2.training and live.fc1.training
+    assert all(torch.equal(before[k], v_) for k, v_ in live.state_dict().items())
+    # baseline = the saved state exactly (not the live weights); the candidate is scored as given
+    assert judge.baseline == pytest.approx(eval_fn(_live(snaps[2])), abs=0)
+    old = _live(snaps[2])
+    with torch.no_grad():
+        old.fc1.weight.zero_()
+    assert v.score == pytest.approx(eval_fn(old), abs=0) and not v.feasible
+    assert v.degradation == pytest.approx((v.score - judge.baseline) / judge.baseline)
+    assert all(m.training == t for m, t in judge._modes)
+    judge.close()
+
+
+def test_exhaustive_search_is_feasible_and_cheap(run):
+    snaps, eval_fn = run
+    snap = snaps[3]
+    live = _live(snaps[-1])
+    flat = _flat(snap, live)
+    method = get_method("dynaquant")
+    ctx = EncodeContext(step=snap.step, model=live, eval_fn=eval_fn, threshold=0.01, gradients=snap.grads)
+    qcfg, info, st = search_config(method, flat, None, ctx, None)
+    assert info["search"] == "exhaustive" and not info["infeasible"]
+    assert info["cube_size"] == 108 * 2  # no embedding layer: 6x6x3 per metric, both metrics
+    assert info["evals"] <= info["cube_size"] // 3, info
+    d = _measure(snap, flat, qcfg, snap.grads, eval_fn)
+    assert d <= 0.01 and d == pytest.approx(info["degradation"], abs=1e-9)
+    assert st["best"]["bins"] == qcfg.bins and st["exhaustive"] == 1
+
+
+def test_steady_state_uses_few_evaluations(run):
+    snaps, eval_fn = run
+    live = _live(snaps[-1])
+    method = get_method("dynaquant", search_policy="monotone")
+    st, ref, kinds = None, None, []
+    for snap in snaps[4:9]:
+        flat = _flat(snap, live)
+        ctx = EncodeContext(step=snap.step, model=live, eval_fn=eval_fn, threshold=0.02, gradients=snap.grads)
+        qcfg, info, st = search_config(method, flat, ref, ctx, st)
+        kinds.append(info["search"])
+        if info["search"] == "neighbourhood":
+            # previous best with both metrics, then at most its 3 more conservative neighbours
+            assert info["evals"] <= 2 + info["neighbours"], info
+        if not info["infeasible"]:
+            assert _measure(snap, flat, qcfg, snap.grads, eval_fn) <= 0.02
+        ref = Reference(snap.step, {n: (q.codes, q.n_levels)
+                                    for n, q in quantize_weights(flat, qcfg, snap.grads).items()})
+    assert kinds[0] == "exhaustive"
+    assert kinds.count("neighbourhood") >= 3, kinds
+
+
+def test_higher_is_better_accuracy(run):
+    snaps, _ = run
+    _, _, xte, yte = digits_data(0)
+
+    @torch.no_grad()
+    def accuracy(m):
+        return float((m(xte).argmax(-1) == yte).float().mean())
+
+    snap = snaps[5]
+    live = _live(snap)
+    flat = _flat(snap, live)
+    ctx = EncodeContext(step=snap.step, model=live, eval_fn=accuracy, threshold=0.01, higher_is_better=True)
+    qcfg, info, _ = search_config(get_method("dynaquant"), flat, None, ctx, None)
+    assert info["higher_is_better"] and info["baseline"] == pytest.approx(accuracy(live), abs=0)
+    assert info["degradation"] <= 0.01
+    assert _measure(snap, flat, qcfg, None, accuracy, higher_is_better=True) <= 0.01
+    # accuracy tolerates more than the loss does: a coarser config than the top corner passes
+    assert (qcfg.bins, qcfg.prune_fraction) != (32, 0.0)
+
+
+def test_nothing_feasible_picks_the_least_aggressive_config(run):
+    snaps, _ = run
+    snap = snaps[2]
+    live = _live(snap)
+    exact = {k: v.clone() for k, v in snap.model.items()}
+
+    def distance(m):  # 0 for the exact weights, > 0 for any quantization: nothing passes threshold 0
+        return float(sum((p - exact[n]).abs().sum() for n, p in m.state_dict().items()))
+
+    ctx = EncodeContext(step=snap.step, model=live, eval_fn=distance, threshold=0.0)
+    qcfg, info, st = search_config(get_method("dynaquant"), _flat(snap, live), None, ctx, None)
+    assert info["infeasible"] and info["baseline"] == 0.0 and info["degradation"] > 0
+    assert (qcfg.bins, qcfg.prune_fraction, qcfg.protect_fraction) == (32, 0.0, 0.01)
+
+
+def test_chain_records_the_search_in_the_entry_summary(run, tmp_path):
+    snaps, eval_fn = run
+    model = _live(snaps[0])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    chain = CheckpointChain(tmp_path / "c", "dynaquant")
+    for snap in snaps[2:5]:
+        model.load_state_dict(snap.model)
+        opt.load_state_dict(snap.optimizer)
+        ctx = EncodeContext(step=snap.step, model=model, eval_fn=eval_fn, threshold=0.01, gradients=snap.grads)
+        chain.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, snap.step, model=model,
+                   optimizer=opt, ctx=ctx)
+    entries = CheckpointChain(tmp_path / "c", "dynaquant").entries()
+    assert [e.summary["search"] for e in entries][0] == "exhaustive"
+    for e, snap in zip(entries, snaps[2:5]):
+        s = e.summary
+        assert {"bins", "prune_metric", "evals", "search_s", "degradation", "baseline"} <= set(s)
+        assert s["evals"] >= 1 and s["search"] in ("exhaustive", "neighbourhood", "fallback")
+        # the restored weights score what the search measured
+        m = DigitsMLP(128)
+        m.load_state_dict(chain.load(e.step)["model"])
+        d = (eval_fn(m) - s["baseline"]) / s["baseline"]
+        assert d == pytest.approx(s["degradation"], abs=1e-9)
+        assert s["infeasible"] or d <= 0.01
