@@ -34,6 +34,7 @@ VARIANTS = {
     "RLE-ans": dict(rearrange=False, rle=True, coder="ans"),
     "PE-ans": dict(rearrange=True, rle=True, coder="ans"),
     "PE-zstd": dict(rearrange=True, rle=True, coder="zstd"),
+    "auto": dict(coder="auto"),  # our default: PE where >= 80 % of codes repeat, else ANS on the delta
 }
 
 
@@ -120,6 +121,8 @@ def throughput(args):
     B = int(max(prev.max(), cur.max())) + 1
     print(f"\nDelta stage throughput on {cur.numel() / 1e6:.1f}M real codes (tiled), {torch.get_num_threads()} threads")
     for name, knobs in VARIANTS.items():
+        if knobs.get("coder") == "auto":
+            continue  # a per-tensor choice between the rows above
         t = time.perf_counter()
         buf = encode_codes(prev, cur, B, **knobs)
         te = time.perf_counter() - t

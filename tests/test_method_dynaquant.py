@@ -70,9 +70,10 @@ def test_delta_records_and_resumed_writer(chain_and_run, tmp_path):
     recs = c.manifest["records"]
     wq = [n for n, r in recs.items() if r["pipeline"][0] == "dynaquant/1" and r["role"] == "weight"]
     assert wq and all("cyclic-delta/1" in recs[n]["pipeline"] for n in wq)
-    for n in wq:
+    for n in wq:  # coder="auto": the paper's rearranged RLE + Huffman, or ANS on the plain delta
         h = read_codes_header(c.blobs[recs[n]["blobs"]["codes"]])
-        assert h["delta"] and h["rearrange"] and h["rle"]
+        assert h["delta"]
+        assert (h["rearrange"] and h["rle"] and h["coder"] == "huffman") or (h["coder"] == "ans" and not h["rle"])
     # a new writer on the same folder continues with a delta against the last step
     ch2 = CheckpointChain(tmp_path, "dynaquant", keyframe=KeyframePolicy(every=4))
     st = {"model": snaps[-1].model, "optimizer": snaps[-1].optimizer, "step": 999}
@@ -129,3 +130,15 @@ def test_restarted_writer_resumes_the_search(tmp_path, digits_snapshots):
     again = save(CheckpointChain(tmp_path, "dynaquant"), snaps[6])
     assert again.summary["search"] in ("neighbourhood", "fallback") and not again.keyframe
     assert again.summary["evals"] < first.summary["evals"]
+
+
+def test_paper_encoder_is_selectable(tmp_path, digits_snapshots):
+    model, opt, snaps, ev = digits_snapshots
+    ch = CheckpointChain(tmp_path, "dynaquant", {"coder": "huffman"})
+    for s in snaps[:2]:
+        e = ch.save({"model": s.model, "optimizer": s.optimizer}, s.step, model=model, optimizer=opt)
+    from ckptzip.format import decode_container
+
+    recs = decode_container(ch.storage.read(e.file)).manifest["records"]
+    w = [r for r in recs.values() if r["role"] == "weight" and r["pipeline"][0] == "dynaquant/1"]
+    assert w and all(r["pipeline"][1:] == ["cyclic-delta/1", "rearrange/1", "rle/1", "huffman/1"] for r in w)

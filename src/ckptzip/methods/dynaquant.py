@@ -53,9 +53,9 @@ class DynaQuantMethodConfig:
     optimizer: str = "quantize"      # "quantize" (Adam m/v, momentum) | "lossless"
     moment_bins: int = 16            # k for optimizer moments
     # delta encoder
-    coder: str = "huffman"           # "huffman" | "ans" | "zstd"
-    rearrange: bool = True           # group deltas by source bucket before RLE (paper section 6.3)
-    rle: bool = True
+    coder: str = "auto"              # "auto" (per tensor, see methods/qrecord.choose_coder) | "huffman" | "ans" | "zstd"
+    rearrange: bool = True           # group deltas by source bucket before RLE (paper section 6.3); fixed coders only
+    rle: bool = True                 # fixed coders only; coder="huffman" with both is the paper's encoder
     delta_moments: bool = False      # moments change wholesale between saves: delta only helps weights
     # config search (used only when the caller gives eval_fn)
     search: bool = True
@@ -66,8 +66,8 @@ class DynaQuantMethodConfig:
     def __post_init__(self):
         if self.optimizer not in ("quantize", "lossless"):
             raise ConfigError(f"optimizer must be 'quantize' or 'lossless', got {self.optimizer!r}")
-        if self.coder not in ("huffman", "ans", "zstd"):
-            raise ConfigError(f"coder must be 'huffman', 'ans' or 'zstd', got {self.coder!r}")
+        if self.coder not in ("auto", "huffman", "ans", "zstd"):
+            raise ConfigError(f"coder must be 'auto', 'huffman', 'ans' or 'zstd', got {self.coder!r}")
         if self.search_policy not in ("monotone", "free"):
             raise ConfigError(f"search_policy must be 'monotone' or 'free', got {self.search_policy!r}")
         self.quantizer()  # validates the quantizer knobs
