@@ -97,10 +97,15 @@ def plugins(tmp_path, monkeypatch):
     d.mkdir()
     (d / "ckz_engine_plugins.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(d))  # the agent gets the trainer's sys.path
+    from ckptzip.methods import base
+
+    registry = dict(base._REGISTRY)
     import ckz_engine_plugins  # noqa: F401  (registers the method and filesystem here too)
 
     yield ("ckz_engine_plugins",)
     sys.modules.pop("ckz_engine_plugins", None)
+    base._REGISTRY.clear()  # tests leave global state as they found it
+    base._REGISTRY.update(registry)
 
 
 def wait_for(pred, timeout_s=30.0, what="condition"):
