@@ -230,3 +230,17 @@ def test_validation_and_rules(ckpt):
         quantize(bad, "fc1.weight", plan)
     with pytest.raises(ConfigError):
         fit_layer_thresholds({"x": (sd["fc1.weight"], "attention")}, DynaQuantConfig())
+
+
+def test_prune_cap_keeps_a_small_magnitude_layer_alive():
+    # one layer type, two tensors of very different scale (like BERT's pooler beside its encoder)
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(256, 256, generator=g) * 0.05
+    small = torch.randn(256, 256, generator=g) * 0.005
+    spec = {"big": (big, "linear"), "small": (small, "linear")}
+    paper = fit_layer_thresholds(spec, DynaQuantConfig(prune_fraction=0.5, max_prune_ratio=None))
+    capped = fit_layer_thresholds(spec, DynaQuantConfig(prune_fraction=0.5))  # default cap 1.0 x F
+    pruned = lambda plan, n, x: float((quantize(x, n, plan).codes == 0).float().mean())  # noqa: E731
+    assert pruned(paper, "small", small) > 0.8           # the paper's per-type threshold takes most of it
+    assert abs(pruned(capped, "small", small) - 0.5) < 0.02
+    assert pruned(capped, "big", big) == pytest.approx(pruned(paper, "big", big), abs=1e-6)

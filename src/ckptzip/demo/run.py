@@ -33,6 +33,7 @@ def workload_for(name: str, full: bool):
 def main(workloads=DEFAULT_WORKLOADS, methods=None, failures: int | None = None, full: bool = False,
          out: str = "demo-report", threshold: float = 0.01, async_save: bool = False) -> list:
     console = Console()
+    _quiet_frameworks()
     have = set(available_methods())
     for m in methods or ():
         if m not in have:
@@ -67,9 +68,25 @@ def main(workloads=DEFAULT_WORKLOADS, methods=None, failures: int | None = None,
     return results
 
 
+def _quiet_frameworks() -> None:
+    """The demo prints its own progress; silence transformers' load reports and config warnings."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
 def transfer(out: str = "demo-report", thresholds=(0.01, 0.05), steps: int = 80) -> list[dict]:
     """Transfer learning (the paper's Table 6): compress the pretrained MiniLM (a keyframe) at each
     threshold, fine-tune from the compressed and from the original weights, compare."""
     from .transfer import run_transfer
 
+    _quiet_frameworks()
     return run_transfer(out=pathlib.Path(out), thresholds=thresholds, steps=steps)

