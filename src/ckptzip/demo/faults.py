@@ -84,6 +84,8 @@ def run(wl: Workload, method: str | None, *, failures: int = 10, threshold: floa
     if own_dir:
         url = tempfile.mkdtemp(prefix=f"ckptzip-{wl.name}-{method}-")
     res = RunResult(wl.name, method or "uncompressed", math.nan, wl.metric_name, wl.higher_is_better)
+    if method_config is None and method is not None:
+        method_config = wl.method_configs.get(method)
     model, opt, sched = wl.build(seed)
 
     def compressor(m, o, s):
