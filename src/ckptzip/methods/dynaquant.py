@@ -101,7 +101,14 @@ def quantize_weights(state: FlatState, cfg: dq.DynaQuantConfig, gradients=None) 
         grads = {n: gradients[r.param] for n, r in recs.items() if r.param in gradients}
     plan = dq.fit_layer_thresholds({n: (state.tensors[n], r.layer_type, "weight") for n, r in recs.items()},
                                    cfg, grads)
-    return {n: dq.quantize(state.tensors[n], n, plan) for n in plan.tensors}
+    return {n: _narrow(dq.quantize(state.tensors[n], n, plan)) for n in plan.tensors}
+
+
+def _narrow(q: QuantizedTensor) -> QuantizedTensor:
+    """Keep codes in the narrowest dtype between quantizing and encoding: int64 codes for the
+    whole state at once would peak at 2x the state's size (measured at 100M params)."""
+    q.codes = qrecord.compact(q.codes)
+    return q
 
 
 def _adam_hparams(state: FlatState) -> dict[int, tuple[float, float, float]]:
@@ -159,7 +166,7 @@ def quantize_moments(state: FlatState, qcfg: dq.DynaQuantConfig, moment_bins: in
             q.dtype = rec.dtype
             if adam is not None:
                 q.meta["adam"] = adam
-            out[name] = q
+            out[name] = _narrow(q)
     return out
 
 

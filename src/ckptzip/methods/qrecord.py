@@ -26,7 +26,8 @@ def store(enc: Encoded, name: str, q: QuantizedTensor, prev: CodesRef | None, *,
     B = max(q.n_levels, prev[1]) if prev is not None else q.n_levels  # levels may change between saves
     if coder == "auto":
         coder, rearrange, rle = choose_coder(q.codes, prev)
-    blob = encode_codes(prev[0].long() if prev is not None else None, q.codes, B, rearrange=rearrange, rle=rle,
+    codes = q.codes if q.codes.dtype in (torch.int32, torch.int64) else q.codes.long()  # one tensor at a time
+    blob = encode_codes(prev[0].long() if prev is not None else None, codes, B, rearrange=rearrange, rle=rle,
                         coder=coder)
     pipeline = [method] + ((["cyclic-delta/1"] + (["rearrange/1"] if rearrange else [])) if prev is not None else [])
     pipeline += (["rle/1"] if rle else []) + [f"{coder}/1"]
