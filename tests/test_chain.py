@@ -2,7 +2,6 @@
 memory:// storage, the keyframe policy, retention, restarts, verify() and orphan collection.
 """
 import json
-import math
 import pathlib
 import shutil
 import uuid
@@ -16,6 +15,7 @@ from ckptzip.chain import INDEX, CheckpointChain, KeyframePolicy, RetentionPolic
 from ckptzip.errors import CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError
 from ckptzip.format import encode_container, sha256
 from ckptzip.methods.base import EncodeContext
+from helpers import assert_same  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -25,27 +25,6 @@ def _one_torch_thread():
 
 
 DATA = pathlib.Path(__file__).parent / "data"
-BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def assert_same(a, b, path="<root>"):
-    """Tensors bit-identical with dtype and shape; everything else ==; dict key order kept."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
-        w = BITS[a.element_size()] if a.dtype != torch.bool else torch.bool
-        assert torch.equal(a.contiguous().view(w), b.contiguous().view(w)), f"{path}: values differ"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, list | tuple):
-        assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}/{i}")
-    elif isinstance(a, float) and math.isnan(a):
-        assert isinstance(b, float) and math.isnan(b), path
-    else:
-        assert type(a) is type(b) and a == b, f"{path}: {a!r} != {b!r}"
 
 
 def digits_states(snaps):

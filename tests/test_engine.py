@@ -19,8 +19,8 @@ from ckptzip.engine import AsyncCheckpointEngine, BackpressureWarning, EngineOpt
 from ckptzip.engine import staging
 from ckptzip.engine.engine import slots_for_budget
 from ckptzip.errors import AgentError, ConfigError, StepNotFoundError
+from helpers import assert_same
 
-BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # Loaded by the agent through EngineOptions.agent_imports: a method that can be made slow (to kill
 # the agent mid-compress) and a local filesystem that raises ENOSPC while a DISK_FULL file exists.
@@ -61,24 +61,6 @@ class FullFileSystem(LocalFileSystem):
 
 fsspec.register_implementation("fullfs", FullFileSystem, clobber=True)
 '''
-
-
-def assert_same(a, b, path="<root>"):
-    """Tensors bit-identical with dtype and shape; everything else ==."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
-        w = BITS[a.element_size()] if a.dtype != torch.bool else torch.bool
-        assert torch.equal(a.contiguous().view(w), b.contiguous().view(w)), f"{path}: values differ"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, list | tuple):
-        assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}/{i}")
-    else:
-        assert type(a) is type(b) and a == b, f"{path}: {a!r} != {b!r}"
 
 
 def states_of(snaps):

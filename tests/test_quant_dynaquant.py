@@ -24,14 +24,7 @@ def _parts(q):
 
 @pytest.fixture(scope="module")
 def ckpt(request):
-    # build the shared digits run single-threaded: on a loaded 2-core box, 2 torch threads made
-    # it ~8x slower (65 s vs 8 s); fetched lazily so the session fixture is created in here
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _, _, snaps, _ = request.getfixturevalue("digits_snapshots")
-    finally:
-        torch.set_num_threads(threads)
+    _, _, snaps, _ = request.getfixturevalue("digits_snapshots")  # built single-threaded by conftest
     return snaps[-1]
 
 

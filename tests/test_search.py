@@ -108,12 +108,7 @@ def test_neighbourhood_respects_the_monotone_policy():
 # ----------------------------------------------------------------------------- real digits run
 @pytest.fixture(scope="module")
 def run(request):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model, opt, snaps, eval_fn = request.getfixturevalue("digits_snapshots")
-    finally:
-        torch.set_num_threads(threads)
+    model, opt, snaps, eval_fn = request.getfixturevalue("digits_snapshots")  # single-threaded (conftest)
     return snaps, eval_fn
 
 

@@ -68,12 +68,7 @@ def _worker(rank, world, port, path, out_dir):
 
 @pytest.fixture(scope="module")
 def digits(request):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _, _, snaps, _ = request.getfixturevalue("digits_snapshots")
-    finally:
-        torch.set_num_threads(threads)
+    _, _, snaps, _ = request.getfixturevalue("digits_snapshots")  # built single-threaded by conftest
     from ckptzip.demo.workloads import digits_data
 
     _, _, xte, yte = digits_data(0)  # shipped to the workers: importing scikit-learn there costs seconds

@@ -15,7 +15,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-import torch
 
 from ..api import Compressor
 from .workloads import Workload

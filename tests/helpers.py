@@ -1,0 +1,26 @@
+"""Assertions shared by several test modules (imported as ``from helpers import ...``)."""
+import math
+
+import torch
+
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def assert_same(a, b, path="<root>"):
+    """Tensors bit-identical with dtype and shape; everything else ==; dict key order kept."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
+        w = BITS[a.element_size()] if a.dtype != torch.bool else torch.bool
+        assert torch.equal(a.contiguous().view(w), b.contiguous().view(w)), f"{path}: values differ"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}/{i}")
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), path
+    else:
+        assert type(a) is type(b) and a == b, f"{path}: {a!r} != {b!r}"
