@@ -96,6 +96,11 @@ def _ratio(raw: int, stored: int) -> str:
     return f"{raw / stored:.1f}x" if stored else "inf"
 
 
+# summary fields shown by `ls` (chosen config, search cost, measured degradation), in this order
+LS_COLUMNS = ("bins", "embedding_bins", "prune_fraction", "prune_metric", "protect_fraction", "search", "evals",
+              "degradation", "infeasible", "search_s", "encode_s")
+
+
 def _cell(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
@@ -278,9 +283,9 @@ def ls_(
     if as_json:
         typer.echo(json.dumps([dataclasses.asdict(e) for e in entries], indent=1))
         return
-    keys: list[str] = []
+    keys: list[str] = []  # the facts worth a column; `--json` has every summary field
     for e in entries:
-        keys += [k for k in e.summary if k not in keys]
+        keys += [k for k in e.summary if k not in keys and k in LS_COLUMNS]
     t = Table(title=chain_url)
     for col in ["step", "kind", "parent", "method", "bytes", "raw bytes", "ratio", *keys]:
         t.add_column(col, justify="right" if col in ("step", "parent", "bytes", "raw bytes", "ratio") else "left")
