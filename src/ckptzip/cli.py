@@ -449,13 +449,15 @@ def demo(
     out: Annotated[str, typer.Option("--out", "-o", help="report folder")] = "demo-report",
     transfer: Annotated[bool, typer.Option("--transfer", help="transfer-learning study (MiniLM)")] = False,
     async_save: Annotated[bool, typer.Option("--async", help="save through the asynchronous engine")] = False,
+    transfer_space: Annotated[str, typer.Option("--transfer-space",
+                                                help="search space for --transfer: paper | finetune")] = "paper",
 ) -> None:
     """Fault-tolerant training on real workloads with compressed checkpoints (the main job)."""
     from .demo import run as demo_run
 
     with _bad_input():
         if transfer:
-            demo_run.transfer(out=out)
+            demo_run.transfer(out=out, space=transfer_space)
             return
         demo_run.main(workloads=tuple(workload) or demo_run.DEFAULT_WORKLOADS,
                       methods=[m for m in methods.split(",") if m] or None, failures=failures, full=full,

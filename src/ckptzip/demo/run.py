@@ -83,10 +83,12 @@ def _quiet_frameworks() -> None:
         pass
 
 
-def transfer(out: str = "demo-report", thresholds=(0.01, 0.05), steps: int = 80) -> list[dict]:
+def transfer(out: str = "demo-report", thresholds=(0.01, 0.05), steps: int = 80, space: str = "paper") -> list[dict]:
     """Transfer learning (the paper's Table 6): compress the pretrained MiniLM (a keyframe) at each
     threshold, fine-tune from the compressed and from the original weights, compare."""
     from .transfer import run_transfer
 
     _quiet_frameworks()
-    return run_transfer(out=pathlib.Path(out), thresholds=thresholds, steps=steps)
+    if space not in ("paper", "finetune"):
+        raise ConfigError(f"unknown transfer search space {space!r}; choose 'paper' or 'finetune'")
+    return run_transfer(out=pathlib.Path(out), thresholds=thresholds, steps=steps, space=space)

@@ -223,6 +223,10 @@ def stdlib_docstrings(per_class: int = 130, seed: int = 0) -> tuple[list[str], l
     return texts, labels
 
 
+# Conservative config-search space for fine-tuning from pretrained weights (see minilm_workload).
+FINETUNE_SEARCH_SPACE = {"bins": (8, 12, 16, 32), "prune_fractions": (0.0, 0.1)}
+
+
 def retrieval_eval(tok, n: int = 128):
     """Quality of a sentence encoder on real text, lower is better: each of ``n`` held-out stdlib
     docstrings is split in two halves, and the InfoNCE loss of matching every first half to its own
@@ -313,7 +317,7 @@ def minilm_workload(total_steps: int = 40, ckpt_every: int = 8, bsz: int = 16, m
     # Fine-tuning preset: early on, the task loss sits at chance and cannot see damage to the
     # pretrained encoder, so the paper's full search space (down to 4 bins, 50 % pruning) passes
     # configs that erase knowledge the fine-tuning still needs. Limit the cube for this workload.
-    finetune = {"search_space": {"bins": (8, 12, 16, 32), "prune_fractions": (0.0, 0.1)}}
+    finetune = {"search_space": FINETUNE_SEARCH_SPACE}
     return Workload("minilm-docstrings", build, batch, loss, eval_fn, metric, "test accuracy", True,
                     total_steps, ckpt_every, method_configs={"dynaquant": finetune},
                     description=
