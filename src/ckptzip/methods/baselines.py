@@ -26,56 +26,44 @@ from .base import DecodeContext, EncodeContext, Encoded, Method, Reference, enco
 from .dynaquant import decode_quantized, quantize_moments, weight_records
 
 
-def _check_common(cfg) -> None:
-    if cfg.optimizer not in ("quantize", "lossless"):
-        raise ConfigError(f"optimizer must be 'quantize' or 'lossless', got {cfg.optimizer!r}")
+@dataclass(frozen=True)
+class _BaselineConfig:
+    """Knobs every baseline shares; subclasses add their quantizer's knobs and ``quantizer()``."""
+
+    moment_bins: int = 16         # optimizer moments: DynaQuant's moment recipe at this many bins
+    optimizer: str = "quantize"   # "quantize" | "lossless"
+    min_numel: int = 1024         # smaller tensors are stored exact
+
+    def __post_init__(self):
+        if self.optimizer not in ("quantize", "lossless"):
+            raise ConfigError(f"optimizer must be 'quantize' or 'lossless', got {self.optimizer!r}")
+        self.quantizer()  # validates the quantizer's knobs
 
 
 @dataclass(frozen=True)
-class QDConfig:
+class QDConfig(_BaselineConfig):
     min_bins: int = 8             # Table 10: entropy picks the bins between these
     max_bins: int = 256
-    moment_bins: int = 16
-    optimizer: str = "quantize"
-    min_numel: int = 1024
-
-    def __post_init__(self):
-        _check_common(self)
-        self.quantizer()
 
     def quantizer(self):
         return uniform.UniformConfig(min_bins=self.min_bins, max_bins=self.max_bins)
 
 
 @dataclass(frozen=True)
-class CNRConfig:
+class CNRConfig(_BaselineConfig):
     n_bins: int = 16              # Table 11 knobs
     n_step_bins: int = 100
     range_ratio: float = 0.2
-    moment_bins: int = 16
-    optimizer: str = "quantize"
-    min_numel: int = 1024
-
-    def __post_init__(self):
-        _check_common(self)
-        self.quantizer()
 
     def quantizer(self):
         return adaptive.AdaptiveConfig(n_bins=self.n_bins, n_step_bins=self.n_step_bins, range_ratio=self.range_ratio)
 
 
 @dataclass(frozen=True)
-class GoboMethodConfig:
+class GoboMethodConfig(_BaselineConfig):
     n_bins: int = 8               # Table 12 knobs
     n_bins_embedding: int = 16
     outlier_log_prob: float = -4.0
-    moment_bins: int = 16
-    optimizer: str = "quantize"
-    min_numel: int = 1024
-
-    def __post_init__(self):
-        _check_common(self)
-        self.quantizer()
 
     def quantizer(self):
         return gobo.GoboConfig(n_bins=self.n_bins, n_bins_embedding=self.n_bins_embedding,
