@@ -12,28 +12,13 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from ckptzip.cli import app, main
+from helpers import assert_same
 
 runner = CliRunner()
 
 
 def cli(*args):
     return runner.invoke(app, [str(a) for a in args])
-
-
-def assert_same(a, b, path="root"):
-    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), f"{path}: {type(a)} != {type(b)}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert list(a) == list(b), path
-        for k in a:
-            assert_same(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}/{i}")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 @pytest.fixture(scope="module")

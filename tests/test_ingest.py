@@ -15,30 +15,12 @@ from safetensors.torch import save_file
 from ckptzip import ingest
 from ckptzip.errors import ConfigError, CorruptCheckpointError, UnsafeInputError
 from ckptzip.state import flatten_state, unflatten_state
+from helpers import assert_same
 
 
 @dataclass
 class CustomArgs:  # stands in for transformers.TrainingArguments in training_args.bin
     lr: float = 1e-3
-
-
-def assert_same(a, b, path="root"):
-    """Deep equality: tensors bit-exact with the same dtype, containers of the same type and order."""
-    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and np.array_equal(a, b), path
-    elif isinstance(a, dict):
-        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}/{i}")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def roundtrip(state: dict):
@@ -111,7 +93,7 @@ def test_torch_file_roundtrip_keeps_structure(tmp_path, trained, shape):
     roles = {r.role for r in flat.records.values()}
     assert "weight" in roles and (shape == "bare" or {"exp_avg", "exp_avg_sq"} <= roles)
     back = ingest.rebuild(roundtrip(state))
-    assert_same(back, torch.load(path, weights_only=False))
+    assert_same(back, torch.load(path, weights_only=False), strict_types=True)
     if shape in ("bare", "ordered"):
         m = back if shape == "bare" else back["model_state_dict"]
         assert dict(m._metadata) == {k: dict(v) for k, v in sd._metadata.items()}
