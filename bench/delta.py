@@ -15,7 +15,6 @@ import copy
 import json
 import os
 import pathlib
-import resource
 import subprocess
 import sys
 import tempfile
@@ -43,11 +42,7 @@ def training_snapshots(n_ckpt: int, every: int):
     model, opt, sched = wl.build(0)
     snaps = []
     for step in range(1, wl.total_steps + 1):
-        loss = wl.loss(model, wl.batch(step))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
+        wl.train_step(model, opt, sched, step)
         if step % every == 0:
             snaps.append((step, copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})))
     return model, opt, snaps

@@ -56,12 +56,7 @@ def train(wl, n_ckpt: int, every: int):
     model, opt, sched = wl.build(0)
     snaps = []
     for step in range(1, n_ckpt * every + 1):
-        loss = wl.loss(model, wl.batch(step))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if sched is not None:
-            sched.step()
+        wl.train_step(model, opt, sched, step)
         if step % every == 0:
             snaps.append((step, copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())))
     return model, opt, snaps

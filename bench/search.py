@@ -61,12 +61,7 @@ def train(wl, steps: int, every: int, window: int):
     for step in range(1, steps + 1):
         if should_arm(step, every, window):
             rec.arm()
-        loss = wl.loss(model, wl.batch(step))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if sched is not None:
-            sched.step()
+        wl.train_step(model, opt, sched, step)
         if step % every == 0:
             grads = rec.gradients() if snaps else None  # Compressor's first save has no EMA yet
             snaps.append({"step": step, "model": copy.deepcopy(model.state_dict()),

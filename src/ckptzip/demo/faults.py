@@ -101,14 +101,9 @@ def run(wl: Workload, method: str | None, *, failures: int = 10, threshold: floa
             step += 1
             t0 = time.perf_counter()
             model.train()
-            loss = wl.loss(model, wl.batch(step))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if sched is not None:
-                sched.step()
+            loss = wl.train_step(model, opt, sched, step)
             res.train_s += time.perf_counter() - t0
-            res.losses.append([step, float(loss.detach())])
+            res.losses.append([step, loss])
             if ck is not None and step % wl.ckpt_every == 0:
                 t0 = time.perf_counter()
                 ck.save(step)

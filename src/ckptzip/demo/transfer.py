@@ -29,10 +29,7 @@ def _finetune(wl, encoder_state, steps: int) -> float:
     torch.manual_seed(0)
     for step in range(1, steps + 1):
         model.train()
-        loss = wl.loss(model, wl.batch(step))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        wl.train_step(model, opt, None, step)
     torch.set_rng_state(g_rng)
     return float(wl.metric(model))
 

@@ -117,6 +117,16 @@ class Workload:
     description: str = ""
     method_configs: dict = field(default_factory=dict)  # method name -> config overrides for this workload
 
+    def train_step(self, model, opt, sched, step: int) -> float:
+        """One optimizer step on the batch of ``step``; returns the loss."""
+        loss = self.loss(model, self.batch(step))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        return float(loss.detach())
+
 
 def digits_workload(total_steps: int = 600, ckpt_every: int = 30, hidden: int = 256) -> Workload:
     xtr, ytr, xrest, yrest = digits_data(0)
