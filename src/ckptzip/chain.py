@@ -241,7 +241,7 @@ class CheckpointChain:
             return None  # a method change starts with a keyframe
         if self._ref is not None and self._ref_checked:
             return self._ref
-        if self._ref is None or self._ref_step_in_chain(entries) is False:
+        if not self._ref_step_in_chain(entries):
             (_, manifest), self._ref = self._replay(last.step, entries)
             self.method.resume(manifest.get("method_meta", {}))
         self._ref_checked = True
