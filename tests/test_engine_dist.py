@@ -153,6 +153,7 @@ def _rank_main(phase, rank, world, port, url, out):
     res.update(chain=eng.chain.steps(), verify=eng.chain.verify())
     eng.close()
     (out / f"r{rank}-result.json").write_text(json.dumps(res))
+    dist.barrier()  # leave together: tearing gloo down while a peer is in a collective can abort it
     dist.destroy_process_group()
 
 

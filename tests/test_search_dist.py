@@ -62,6 +62,7 @@ def _worker(rank, world, port, path, out_dir):
             res.append("raised" if f"rank(s) [{world - 1}]" in str(e) else str(e))
         with open(f"{out_dir}/rank{rank}.json", "w") as f:
             json.dump(res, f)
+        dist.barrier()  # leave together: a rank tearing gloo down while a peer is still in a collective aborts
     finally:
         dist.destroy_process_group()
 
