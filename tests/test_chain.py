@@ -314,6 +314,28 @@ def test_restart_continues_with_deltas(tmp_path, digits_snapshots):
     assert reader.verify() == []
 
 
+def test_truncate_rolls_back_and_deltas_continue(tmp_path, digits_snapshots):
+    """Resume from an older step (after divergence): later checkpoints go, the next save is a delta
+    against the kept step, and a crash between the index commit and the deletes leaves orphans only."""
+    _, _, snaps, _ = digits_snapshots
+    states = digits_states(snaps)
+    chain = CheckpointChain(tmp_path / "c", keyframe=KeyframePolicy(every=100))
+    for step, state in states[:6]:
+        chain.save(state, step=step)
+    keep_to = states[2][0]
+    assert chain.truncate(keep_to) == [s for s, _ in states[3:6]]
+    assert chain.steps() == [s for s, _ in states[:3]] and chain.orphans() == []
+    assert stored_files(chain) == {INDEX} | {checkpoint_file(s) for s, _ in states[:3]}
+    assert chain.truncate(keep_to) == []  # nothing later: a no-op
+    # the writer forgot the reference of a dropped step: the next save replays the kept one
+    e = chain.save(states[6][1], step=states[6][0])
+    assert not e.keyframe and e.parent == keep_to
+    reader = CheckpointChain(tmp_path / "c")
+    for step, state in states[:3] + states[6:7]:
+        assert_same(state, reader.load(step))
+    assert reader.verify() == []
+
+
 def test_restart_keeps_the_keyframe_cadence(tmp_path):
     states = _tiny_states(9)
     url = tmp_path / "c"

@@ -367,6 +367,32 @@ class CheckpointChain:
                     problems.append(f"step {e.step}: decode failed: {err.__class__.__name__}: {err}")
         return problems
 
+    def truncate(self, step: int) -> list[int]:
+        """Roll the chain back to ``step``: drop every later checkpoint; returns the dropped steps.
+
+        For a run resumed from an older step (after divergence, or when distributed ranks agree on
+        the newest step all of them hold). The shorter index is committed first and the files are
+        deleted after, so a crash in between leaves orphans (``gc``), never a dangling entry. Kept
+        entries only name earlier steps as parents, so every kept one stays decodable.
+        """
+        entries = self.entries(refresh=True)
+        keep = [e for e in entries if e.step <= step]
+        drop = [e for e in entries if e.step > step]
+        if drop:
+            self._write_index(keep)  # the commit of the rollback
+            for e in drop:
+                self.storage.delete(e.file)
+            self.forget_reference()
+        return [e.step for e in drop]
+
+    def forget_reference(self) -> None:
+        """Drop the in-memory reference: the next save rebuilds it from storage (slower, never wrong)."""
+        self._ref, self._ref_checked = None, False
+
+    def reference_tensors(self) -> list[torch.Tensor]:
+        """The tensors the writer's in-memory reference holds (empty when it has none)."""
+        return list(_walk_tensors(self._ref.data)) if self._ref is not None else []
+
     def orphans(self) -> list[str]:
         """Files in the chain's folder that no committed entry names (leftovers of crashed saves)."""
         named = {e.file for e in self.entries(refresh=True)} | {INDEX}
@@ -389,17 +415,22 @@ class CheckpointChain:
         self.close()
 
 
-def _tensor_ids(obj) -> set[int]:
+def _walk_tensors(obj):
+    """Every tensor in nested dicts / lists / tuples and plain objects' attributes (a reference's data)."""
     if isinstance(obj, torch.Tensor):
-        return {id(obj)}
-    if isinstance(obj, dict):
-        obj = obj.values()
-    elif not isinstance(obj, list | tuple):
-        return {id(v) for v in vars(obj).values() if isinstance(v, torch.Tensor)} if hasattr(obj, "__dict__") else set()
-    out: set[int] = set()
-    for v in obj:
-        out |= _tensor_ids(v)
-    return out
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _walk_tensors(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _walk_tensors(v)
+    elif hasattr(obj, "__dict__"):
+        yield from (v for v in vars(obj).values() if isinstance(v, torch.Tensor))
+
+
+def _tensor_ids(obj) -> set[int]:
+    return {id(t) for t in _walk_tensors(obj)}
 
 
 def _dumps(obj) -> str:

@@ -242,41 +242,17 @@ class _Agent:
         """
         import torch
 
-        ref = getattr(self.chain, "_ref", None)
-        if ref is None:
-            return
         base = seg.tensor(torch.uint8, (seg.size,), 0)
         lo, hi = base.data_ptr(), base.data_ptr() + seg.size
         del base
-        stack, seen = [ref.data], set()
-        while stack:
-            obj = stack.pop()
-            if id(obj) in seen:
-                continue
-            seen.add(id(obj))
-            if isinstance(obj, torch.Tensor):
-                p = obj.untyped_storage().data_ptr()
-                if lo <= p < hi:
-                    self.chain._ref, self.chain._ref_checked = None, False
-                    return
-            elif isinstance(obj, dict):
-                stack.extend(obj.values())
-            elif isinstance(obj, list | tuple):
-                stack.extend(obj)
+        if any(lo <= t.untyped_storage().data_ptr() < hi for t in self.chain.reference_tensors()):
+            self.chain.forget_reference()
 
     def truncate(self, step: int) -> None:
         """Roll the chain back to ``step`` (a distributed restore agreed on an older step)."""
         try:
-            entries = self.chain.entries(refresh=True)
-            keep = [e for e in entries if e.step <= step]
-            drop = [e for e in entries if e.step > step]
-            if drop:
-                # kept entries only name earlier steps as parents, so every kept one stays decodable
-                self.chain._write_index(keep)  # the commit of the rollback
-                for e in drop:
-                    self.chain.storage.delete(e.file)
-                self.chain._ref, self.chain._ref_checked = None, False
-            self.emit(ev="truncated", step=step, dropped=[e.step for e in drop])
+            dropped = self.chain.truncate(step)
+            self.emit(ev="truncated", step=step, dropped=dropped)
         except Exception as e:
             self.emit(ev="truncated", step=step, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
 
