@@ -45,7 +45,8 @@ from ckptzip.demo.workloads import gpt2_workload
 from ckptzip.methods.base import EncodeContext, Reference, get_method
 from ckptzip.methods.dynaquant import DynaQuantMethodConfig, quantize_weights
 from ckptzip.search import search_config
-from ckptzip.search.cube import Candidate, ConfigCube
+from ckptzip.search.cube import ConfigCube
+from ckptzip.search.spaces import SearchSpace
 from ckptzip.search.strategies import estimate_bits
 from ckptzip.sensitivity import GradientRecorder, should_arm
 from ckptzip.state import flatten_state
@@ -135,7 +136,7 @@ def rank_quality(wl, snaps, rows_ref, samples: int, seed: int = 0):
         ref = None
         if i > 0:  # the codes that chain holds as reference for checkpoint i
             p = snaps[i - 1]
-            knobs = {k: rows_ref[i - 1]["entry"].summary[k] for k in Candidate.__dataclass_fields__}
+            knobs = {k: rows_ref[i - 1]["entry"].summary[k] for k in cube.knob_names + ("prune_metric",)}
             q_prev = quantize_weights(flatten_state({"model": p["model"]}, model),
                                       replace(base, **knobs), p["grads"])
             ref = Reference(p["step"], {n: (q.codes, q.n_levels) for n, q in q_prev.items()})
@@ -151,7 +152,7 @@ def rank_quality(wl, snaps, rows_ref, samples: int, seed: int = 0):
 
 
 def _cfg(summary: dict) -> str:
-    return Candidate(**{k: summary[k] for k in Candidate.__dataclass_fields__}).label()
+    return SearchSpace().label(summary)
 
 
 def main():

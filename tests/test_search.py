@@ -35,8 +35,10 @@ def test_space_validation_and_axis_order():
     assert cube.axes[0] == (4, 8, 16) and cube.axes[1] == (0.3, 0.0) and cube.axes[2] == (0.0005, 0.005, 0.01)
     assert len(ConfigCube()) == 6 * 6 * 3 * 2 and ConfigCube(embedding=False).shape == (6, 6, 3, 1)
     c = cube.candidate((1, 0, 2, 1), "magnitude")
-    assert (c.bins, c.prune_fraction, c.protect_fraction, c.embedding_bins) == (8, 0.3, 0.01, 32)
-    assert cube.point(c) == (1, 0, 2, 1)
+    assert c.knobs() == {"prune_metric": "magnitude", "bins": 8, "prune_fraction": 0.3, "protect_fraction": 0.01,
+                         "embedding_bins": 32}
+    assert cube.point(c) == (1, 0, 2, 1) and cube.from_knobs(c.knobs()) == c
+    assert cube.from_knobs({"bins": 8}) is None  # a previous best from another space: start over
 
 
 def _minimal(points):
@@ -182,7 +184,8 @@ def test_exhaustive_search_is_feasible_and_cheap(run):
     flat = _flat(snap, live)
     method = get_method("dynaquant")
     ctx = EncodeContext(step=snap.step, model=live, eval_fn=eval_fn, threshold=0.01, gradients=snap.grads)
-    qcfg, info, st = search_config(method, flat, None, ctx, None)
+    knobs, info, st = search_config(method, flat, None, ctx, None)
+    qcfg = method.config.quantizer(**knobs)
     assert info["search"] == "exhaustive" and not info["infeasible"]
     assert info["cube_size"] == 108 * 2  # no embedding layer: 6x6x3 per metric, both metrics
     assert info["evals"] <= info["cube_size"] // 3, info
@@ -199,7 +202,8 @@ def test_steady_state_uses_few_evaluations(run):
     for snap in snaps[4:9]:
         flat = _flat(snap, live)
         ctx = EncodeContext(step=snap.step, model=live, eval_fn=eval_fn, threshold=0.02, gradients=snap.grads)
-        qcfg, info, st = search_config(method, flat, ref, ctx, st)
+        knobs, info, st = search_config(method, flat, ref, ctx, st)
+        qcfg = method.config.quantizer(**knobs)
         kinds.append(info["search"])
         if info["search"] == "neighbourhood":
             # previous best with both metrics, then at most its 3 more conservative neighbours
@@ -224,7 +228,9 @@ def test_higher_is_better_accuracy(run):
     live = _live(snap)
     flat = _flat(snap, live)
     ctx = EncodeContext(step=snap.step, model=live, eval_fn=accuracy, threshold=0.01, higher_is_better=True)
-    qcfg, info, _ = search_config(get_method("dynaquant"), flat, None, ctx, None)
+    method = get_method("dynaquant")
+    knobs, info, _ = search_config(method, flat, None, ctx, None)
+    qcfg = method.config.quantizer(**knobs)
     assert info["higher_is_better"] and info["baseline"] == pytest.approx(accuracy(live), abs=0)
     assert info["degradation"] <= 0.01
     assert _measure(snap, flat, qcfg, None, accuracy, higher_is_better=True) <= 0.01
@@ -242,7 +248,8 @@ def test_nothing_feasible_picks_the_least_aggressive_config(run):
         return float(sum((p - exact[n]).abs().sum() for n, p in m.state_dict().items()))
 
     ctx = EncodeContext(step=snap.step, model=live, eval_fn=distance, threshold=0.0)
-    qcfg, info, st = search_config(get_method("dynaquant"), _flat(snap, live), None, ctx, None)
+    knobs, info, st = search_config(get_method("dynaquant"), _flat(snap, live), None, ctx, None)
+    qcfg = get_method("dynaquant").config.quantizer(**knobs)
     assert info["infeasible"] and info["baseline"] == 0.0 and info["degradation"] > 0
     assert (qcfg.bins, qcfg.prune_fraction, qcfg.protect_fraction) == (32, 0.0, 0.01)
 

@@ -27,8 +27,8 @@ Design decisions:
 - **Agent** (agent.py): a ``python -m ckptzip.engine.agent`` subprocess in its own session, fed JSON
   lines. Only names, numbers, the skeleton JSON and record dicts cross. The EncodeContext crosses
   without ``model`` and ``eval_fn`` (a live module and a closure cannot): methods that search configs
-  against ``eval_fn`` (DynaQuant with ``search=True``) run with their fixed config in async mode -- the
-  same as a synchronous save without ``eval_fn``. Run the search synchronously (``async_save=False``)
+  against ``eval_fn`` (dynaquant, qd, cnr, gobo with ``search=True``) run with their fixed config in
+  async mode -- the same as a synchronous save without ``eval_fn``. Run the search synchronously (``async_save=False``)
   or choose the config in the trainer and pass it in. Tensor fields of the context (gradients for
   the sensitivity metric) are staged beside the state.
 - **Agent death**: the engine's reader thread sees the pipe close, starts a new agent and resubmits

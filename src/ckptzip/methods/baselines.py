@@ -10,31 +10,42 @@ Weights the quantizer covers are chosen exactly as for ``dynaquant`` (linear / c
 other weights with at least ``min_numel`` elements); everything else is exact. So that the
 comparison is about the weight quantizers, optimizer moments go through the same moment recipe as
 ``dynaquant`` (``optimizer="quantize"``) or stay exact (``"lossless"``).
+
+Like ``dynaquant``, each baseline runs the config search (search/) when the caller gives
+``eval_fn``: the paper extends Inshrinkerator's search to all baselines (section 8.2), over the
+spaces of its Tables 10-12 (search/spaces.py: ``QDSpace``, ``CNRSpace``, ``GoboSpace``). The
+config's own quantizer knobs are then only the defaults used without ``eval_fn``.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
 from ..errors import ConfigError
 from ..quant import adaptive, gobo, uniform
 from ..quant import dynaquant as dq
+from ..quant.base import QuantizedTensor
+from ..search.spaces import CNRSpace, GoboSpace, QDSpace
 from ..state import FlatState, TensorRecord
 from . import qrecord
-from .base import DecodeContext, EncodeContext, Encoded, Method, Reference, encode_exact, register
+from .base import DecodeContext, EncodeContext, Encoded, Reference, encode_exact, register
 from .dynaquant import decode_quantized, quantize_moments, weight_records
+from .searching import SearchConfig, SearchingMethod
 
 
 @dataclass(frozen=True)
-class _BaselineConfig:
-    """Knobs every baseline shares; subclasses add their quantizer's knobs and ``quantizer()``."""
+class _BaselineConfig(SearchConfig):
+    """Knobs every baseline shares; subclasses add their quantizer's knobs, ``space_cls`` and
+    ``quantizer()``."""
 
     moment_bins: int = 16         # optimizer moments: DynaQuant's moment recipe at this many bins
     optimizer: str = "quantize"   # "quantize" | "lossless"
     min_numel: int = 1024         # smaller tensors are stored exact
 
     def __post_init__(self):
+        super().__post_init__()
         if self.optimizer not in ("quantize", "lossless"):
             raise ConfigError(f"optimizer must be 'quantize' or 'lossless', got {self.optimizer!r}")
         self.quantizer()  # validates the quantizer's knobs
@@ -44,6 +55,8 @@ class _BaselineConfig:
 class QDConfig(_BaselineConfig):
     min_bins: int = 8             # Table 10: entropy picks the bins between these
     max_bins: int = 256
+
+    space_cls = QDSpace
 
     def quantizer(self):
         return uniform.UniformConfig(min_bins=self.min_bins, max_bins=self.max_bins)
@@ -55,6 +68,8 @@ class CNRConfig(_BaselineConfig):
     n_step_bins: int = 100
     range_ratio: float = 0.2
 
+    space_cls = CNRSpace
+
     def quantizer(self):
         return adaptive.AdaptiveConfig(n_bins=self.n_bins, n_step_bins=self.n_step_bins, range_ratio=self.range_ratio)
 
@@ -65,28 +80,49 @@ class GoboMethodConfig(_BaselineConfig):
     n_bins_embedding: int = 16
     outlier_log_prob: float = -4.0
 
+    space_cls = GoboSpace
+
     def quantizer(self):
         return gobo.GoboConfig(n_bins=self.n_bins, n_bins_embedding=self.n_bins_embedding,
                                outlier_log_prob=self.outlier_log_prob)
 
 
-class _BaselineMethod(Method):
+_SEARCH_FIELDS = {f.name for f in fields(SearchConfig)}
+
+
+class _BaselineMethod(SearchingMethod):
     """Shared encode/decode; subclasses say how to quantize one weight and whether to delta."""
 
     delta: bool = False
     module = None
 
-    def quantize_weight(self, x: torch.Tensor, rec: TensorRecord):
-        return self.module.quantize(x, self.config.quantizer())
+    def quantize_weight(self, x: torch.Tensor, rec: TensorRecord, cfg: _BaselineConfig) -> QuantizedTensor:
+        return self.module.quantize(x, cfg.quantizer())
 
+    def _quantize(self, state: FlatState, cfg: _BaselineConfig) -> dict[str, QuantizedTensor]:
+        return {n: self.quantize_weight(state.tensors[n], r, cfg) for n, r in self.search_records(state).items()}
+
+    # --- config search hooks (methods/searching.py) --------------------------------------------
+    def search_records(self, state: FlatState) -> dict[str, TensorRecord]:
+        return weight_records(state, dq.DynaQuantConfig(min_numel=self.config.min_numel))
+
+    def search_quantize(self, state: FlatState, knobs: dict, gradients) -> dict[str, QuantizedTensor]:
+        return self._quantize(state, replace(self.config, **knobs))
+
+    def search_dequantize(self, q: QuantizedTensor) -> torch.Tensor:
+        return self.module.dequantize(q)
+
+    # --------------------------------------------------------------------------------------------
     def encode(self, state: FlatState, reference: Reference | None, *, ctx: EncodeContext) -> tuple[Encoded, Reference]:
-        cfg = self.config
+        t0 = time.perf_counter()
+        knobs, search_info = self.choose_knobs(state, reference, ctx)
+        search_s = time.perf_counter() - t0
+        cfg = replace(self.config, **knobs) if knobs else self.config
         prev = reference.data if (reference is not None and self.delta) else {}
         enc = Encoded(keyframe=reference is None or not self.delta)
-        sel = dq.DynaQuantConfig(min_numel=cfg.min_numel)
-        quantized = {n: self.quantize_weight(state.tensors[n], r) for n, r in weight_records(state, sel).items()}
+        quantized = self._quantize(state, cfg)
         if cfg.optimizer == "quantize":
-            quantized.update(quantize_moments(state, sel, cfg.moment_bins))
+            quantized.update(quantize_moments(state, dq.DynaQuantConfig(min_numel=cfg.min_numel), cfg.moment_bins))
         codes_ref = {}
         for name, rec in state.records.items():
             q = quantized.get(name)
@@ -97,7 +133,10 @@ class _BaselineMethod(Method):
             meta = {"adam": q.meta["adam"]} if "adam" in q.meta else {}
             codes_ref[name] = qrecord.store(enc, name, q, p, method=self.descriptor, rearrange=False, rle=False,
                                             meta=meta)
-        enc.meta["summary"] = {k: v for k, v in asdict(cfg).items() if k not in ("optimizer", "min_numel")}
+        enc.meta["summary"] = {**{k: v for k, v in asdict(cfg).items()
+                                  if k not in ("optimizer", "min_numel") and k not in _SEARCH_FIELDS},
+                               **search_info, "search_s": round(search_s, 3)}
+        self.remember_search(enc.meta)
         return enc, Reference(ctx.step, codes_ref)
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
@@ -108,16 +147,19 @@ class _BaselineMethod(Method):
 @register
 class QDMethod(_BaselineMethod):
     name, version, config_cls, module, delta = "qd", 1, QDConfig, uniform, True
+    search_coding = "delta"  # Huffman on the plain cyclic delta (no rearrangement)
 
 
 @register
 class CNRMethod(_BaselineMethod):
     name, version, config_cls, module = "cnr", 1, CNRConfig, adaptive
+    search_coding = "plain"
 
 
 @register
 class GoboMethod(_BaselineMethod):
     name, version, config_cls, module = "gobo", 1, GoboMethodConfig, gobo
+    search_coding = "plain"
 
-    def quantize_weight(self, x, rec):
-        return gobo.quantize(x, self.config.quantizer(), embedding=rec.layer_type == "embedding")
+    def quantize_weight(self, x, rec, cfg):
+        return gobo.quantize(x, cfg.quantizer(), embedding=rec.layer_type == "embedding")

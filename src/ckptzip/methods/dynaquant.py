@@ -30,16 +30,17 @@ import torch
 from ..errors import ConfigError, CorruptCheckpointError
 from ..quant import dynaquant as dq
 from ..quant.base import QuantizedTensor
+from ..search.spaces import SearchSpace
 from ..state import FlatState, TensorRecord
 from . import qrecord
-from .base import (DecodeContext, EncodeContext, Encoded, Method, Reference, decode_exact, encode_exact, is_exact,
-                   register)
+from .base import DecodeContext, EncodeContext, Encoded, Reference, decode_exact, encode_exact, is_exact, register
+from .searching import SearchConfig, SearchingMethod
 
 _OPT_RE = re.compile(r"^optimizer/state/(\d+)/(\w+)$")
 
 
 @dataclass(frozen=True)
-class DynaQuantMethodConfig:
+class DynaQuantMethodConfig(SearchConfig):
     # quantizer knobs (the config search overrides these per checkpoint when eval_fn is given)
     bins: int = 16                   # k for non-embedding layers
     embedding_bins: int = 32         # k for embedding layers (never pruned)
@@ -57,19 +58,16 @@ class DynaQuantMethodConfig:
     rearrange: bool = True           # group deltas by source bucket before RLE (paper section 6.3); fixed coders only
     rle: bool = True                 # fixed coders only; coder="huffman" with both is the paper's encoder
     delta_moments: bool = False      # moments change wholesale between saves: delta only helps weights
-    # config search (used only when the caller gives eval_fn)
-    search: bool = True
-    search_policy: str = "monotone"  # "monotone": never more aggressive than the previous best; "free"
-    search_neighbourhood: int = 1    # e: steps from the previous best in the steady state
-    search_space: dict | None = None # SearchSpace fields (search/cube.py); None: the paper's table
+    # config search (SearchConfig's fields: search, search_policy, search_neighbourhood, search_space)
+
+    space_cls = SearchSpace
 
     def __post_init__(self):
+        super().__post_init__()
         if self.optimizer not in ("quantize", "lossless"):
             raise ConfigError(f"optimizer must be 'quantize' or 'lossless', got {self.optimizer!r}")
         if self.coder not in ("auto", "huffman", "ans", "zstd"):
             raise ConfigError(f"coder must be 'auto', 'huffman', 'ans' or 'zstd', got {self.coder!r}")
-        if self.search_policy not in ("monotone", "free"):
-            raise ConfigError(f"search_policy must be 'monotone' or 'free', got {self.search_policy!r}")
         self.quantizer()  # validates the quantizer knobs
 
     def quantizer(self, **overrides) -> dq.DynaQuantConfig:
@@ -180,15 +178,11 @@ def decode_moment(out: dict, name: str, rec: TensorRecord, adam: dict) -> None:
 
 
 @register
-class DynaQuantMethod(Method):
+class DynaQuantMethod(SearchingMethod):
     name = "dynaquant"
     version = 1
     config_cls = DynaQuantMethodConfig
     uses_gradients = True  # the search tries both prune metrics
-
-    def __init__(self, config=None, **overrides):
-        super().__init__(config, **overrides)
-        self.search_state = None  # the config search's memory between saves (previous best, ...)
 
     # ----------------------------------------------------------------------------------------
     def encode(self, state: FlatState, reference: Reference | None, *, ctx: EncodeContext) -> tuple[Encoded, Reference]:
@@ -196,7 +190,8 @@ class DynaQuantMethod(Method):
         prev = reference.data if reference is not None else {}
         enc = Encoded(keyframe=reference is None)
         t0 = time.perf_counter()
-        qcfg, search_info = self._choose(state, reference, ctx)
+        knobs, search_info = self.choose_knobs(state, reference, ctx)
+        qcfg = c.quantizer(**knobs)
         search_s = time.perf_counter() - t0
         quantized = quantize_weights(state, qcfg, ctx.gradients)
         if c.optimizer == "quantize":
@@ -215,22 +210,18 @@ class DynaQuantMethod(Method):
                                             rearrange=c.rearrange, rle=c.rle, meta=meta)
         enc.meta["summary"] = {**{k: getattr(qcfg, k) for k in QUANTIZER_KNOBS}, **search_info,
                                "search_s": round(search_s, 3)}
-        if self.search_state is not None:
-            enc.meta["search_state"] = self.search_state  # a restarted writer resumes the search from it
+        self.remember_search(enc.meta)
         return enc, Reference(ctx.step, codes_ref)
 
-    def resume(self, method_meta: dict) -> None:
-        if self.search_state is None and isinstance(method_meta.get("search_state"), dict):
-            self.search_state = method_meta["search_state"]
+    # --- config search hooks (methods/searching.py) --------------------------------------------
+    def search_records(self, state: FlatState) -> dict[str, TensorRecord]:
+        return weight_records(state, self.config.quantizer())
 
-    def _choose(self, state: FlatState, reference, ctx: EncodeContext):
-        base = self.config.quantizer()
-        if not (self.config.search and ctx.eval_fn is not None and ctx.model is not None):
-            return base, {"search": "off"}
-        from ..search.strategies import search_config
+    def search_quantize(self, state: FlatState, knobs: dict, gradients) -> dict[str, QuantizedTensor]:
+        return quantize_weights(state, self.config.quantizer(**knobs), gradients)
 
-        qcfg, info, self.search_state = search_config(self, state, reference, ctx, self.search_state)
-        return qcfg, info
+    def search_dequantize(self, q: QuantizedTensor) -> torch.Tensor:
+        return dq.dequantize(q)
 
     # ----------------------------------------------------------------------------------------
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,

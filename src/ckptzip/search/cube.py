@@ -1,17 +1,19 @@
-"""The config cube: DynaQuant's search space laid out so that quality is monotone along every axis.
+"""The config cube: a search space (search/spaces.py) laid out so that quality is monotone along every axis.
 
-Axes (index 0 = most aggressive = lowest quality, paper Table 2 / Inshrinkerator section 5):
+A space gives ordered axes, index 0 = most aggressive = lowest quality. DynaQuant's (paper Table 2
+/ Inshrinkerator section 5), for example:
 
     bins              4, 6, 8, 12, 16, 32       ascending   (more bins: better)
     prune_fraction    .5, .4, .3, .2, .1, 0     descending  (less pruning: better)
     protect_fraction  .0005, .005, .01          ascending   (more protection: better)
-    embedding_bins    16, 32                    ascending   (a 4th axis; collapsed to its largest
-                                                             value when the model has no embedding)
+    embedding_bins    16, 32                    ascending   (collapsed to its largest value when
+                                                             the model has no embedding)
 
-The prune metric (magnitude | sensitivity) is not an axis: the search runs once per metric.
-A point is a tuple of axis indices. "Monotone" means: if point a is feasible, every b >= a
-(componentwise) is feasible too. Nothing here evaluates a model: ``guided_search`` asks a
-``MonotoneOracle``, which answers what monotonicity already implies and evaluates the rest.
+A group knob (DynaQuant's prune metric) is not an axis: the search runs once per group value.
+A point is a tuple of axis indices; ``candidate(point, group)`` turns it into the knobs it sets.
+"Monotone" means: if point a is feasible, every b >= a (componentwise) is feasible too. Nothing
+here evaluates a model: ``guided_search`` asks a ``MonotoneOracle``, which answers what
+monotonicity already implies and evaluates the rest.
 
 Guided exhaustive search (paper Algorithm 4), on a box [lo, hi]:
   1. binary-search the box's diagonal (every step moves each axis by at most one index) for its
@@ -31,99 +33,38 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from ..errors import ConfigError
+from .spaces import PRUNE_METRICS, SearchSpace, Space  # noqa: F401  (re-exported)
 
 Point = tuple[int, ...]
-AXES = ("bins", "prune_fraction", "protect_fraction", "embedding_bins")
-PRUNE_METRICS = ("magnitude", "sensitivity")
 
 
 @dataclass(frozen=True)
-class SearchSpace:
-    """Values the config search may choose from (defaults: the paper's Table 2; any order)."""
-
-    bins: tuple[int, ...] = (4, 6, 8, 12, 16, 32)                        # k, non-embedding layers
-    embedding_bins: tuple[int, ...] = (16, 32)                           # k, embedding layers (never pruned)
-    prune_fractions: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)  # F_prun per layer type
-    prune_metrics: tuple[str, ...] = PRUNE_METRICS                       # searched one after the other
-    protect_fractions: tuple[float, ...] = (0.0005, 0.005, 0.01)         # F_prot
-
-    def __post_init__(self):
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, str | int | float) or v is None:
-                raise ConfigError(f"SearchSpace.{f.name} must be a sequence of values, got {v!r}")
-            v = tuple(v)
-            if not v:
-                raise ConfigError(f"SearchSpace.{f.name} is empty; give at least one value")
-            if len(set(v)) != len(v):
-                raise ConfigError(f"SearchSpace.{f.name} repeats a value: {v}")
-            object.__setattr__(self, f.name, v)
-        for name in ("bins", "embedding_bins"):
-            bad = [b for b in getattr(self, name)
-                   if not isinstance(b, int) or isinstance(b, bool) or not 2 <= b <= 65533]
-            if bad:
-                raise ConfigError(f"SearchSpace.{name} must hold ints in [2, 65533], got {bad}")
-        for name in ("prune_fractions", "protect_fractions"):
-            bad = [x for x in getattr(self, name) if not isinstance(x, int | float) or not 0.0 <= x < 1.0]
-            if bad:
-                raise ConfigError(f"SearchSpace.{name} must hold fractions in [0, 1), got {bad}")
-        bad = [m for m in self.prune_metrics if m not in PRUNE_METRICS]
-        if bad:
-            raise ConfigError(f"SearchSpace.prune_metrics may hold {PRUNE_METRICS}, got {bad}")
-        if max(self.prune_fractions) + max(self.protect_fractions) >= 1.0:
-            raise ConfigError("SearchSpace: max(prune_fractions) + max(protect_fractions) must be < 1")
-
-    @classmethod
-    def from_any(cls, obj) -> "SearchSpace":
-        """None -> the default space; a SearchSpace as is; a dict (e.g. read from a manifest) -> fields."""
-        if obj is None:
-            return cls()
-        if isinstance(obj, cls):
-            return obj
-        if isinstance(obj, dict):
-            names = {f.name for f in fields(cls)}
-            unknown = set(obj) - names
-            if unknown:
-                raise ConfigError(f"SearchSpace has no field(s) {sorted(unknown)}; valid: {sorted(names)}")
-            return cls(**obj)
-        raise ConfigError(f"search space must be a SearchSpace or a dict, got {type(obj).__name__}")
-
-
-@dataclass(frozen=True, order=True)
 class Candidate:
-    """One quantizer configuration the search may pick (the DynaQuant knobs the cube spans)."""
+    """One quantizer configuration the search may pick: the knobs a cube point (and group) sets."""
 
-    prune_metric: str
-    bins: int
-    prune_fraction: float
-    protect_fraction: float
-    embedding_bins: int
+    items: tuple[tuple[str, object], ...]   # (knob, value), group knob first, then axis order
 
     def knobs(self) -> dict:
-        """The DynaQuantConfig overrides (JSON-able)."""
-        return {"bins": self.bins, "embedding_bins": self.embedding_bins, "prune_fraction": self.prune_fraction,
-                "prune_metric": self.prune_metric, "protect_fraction": self.protect_fraction}
+        """The method config overrides (JSON-able)."""
+        return dict(self.items)
 
-    def label(self) -> str:
-        return (f"k{self.bins}/e{self.embedding_bins}/prune{self.prune_fraction:g}-{self.prune_metric[:4]}"
-                f"/prot{self.protect_fraction:g}")
+    def __getitem__(self, knob: str):
+        return self.knobs()[knob]
 
 
 class ConfigCube:
-    """The search space as a grid of axis indices in quality order (see module docstring)."""
+    """A search space as a grid of axis indices in quality order (see module docstring)."""
 
-    def __init__(self, space: SearchSpace | None = None, *, embedding: bool = True):
-        self.space = space = space or SearchSpace()
-        emb = tuple(sorted(space.embedding_bins)) if embedding else (max(space.embedding_bins),)
-        self.axes: tuple[tuple[float | int, ...], ...] = (
-            tuple(sorted(space.bins)),
-            tuple(sorted(space.prune_fractions, reverse=True)),
-            tuple(sorted(space.protect_fractions)),
-            emb,
-        )
+    def __init__(self, space: Space | None = None, *, embedding: bool = True):
+        self.space = space = space if space is not None else SearchSpace()
+        axes = space.axes()
+        self.knob_names: tuple[str, ...] = tuple(a.knob for a in axes)
+        # an embedding-only axis is collapsed to its least aggressive value when nothing uses it
+        self.collapsed: tuple[bool, ...] = tuple(a.embedding and not embedding for a in axes)
+        self.axes: tuple[tuple, ...] = tuple((a.values[-1],) if c else a.values for a, c in zip(axes, self.collapsed))
         self.shape: tuple[int, ...] = tuple(len(a) for a in self.axes)
         self.bottom: Point = (0,) * len(self.axes)                      # most aggressive
         self.top: Point = tuple(n - 1 for n in self.shape)               # least aggressive
@@ -134,19 +75,35 @@ class ConfigCube:
     def points(self) -> Iterator[Point]:
         return itertools.product(*(range(n) for n in self.shape))
 
-    def candidate(self, p: Point, metric: str) -> Candidate:
-        b, pr, pt, e = (ax[i] for ax, i in zip(self.axes, p))
-        return Candidate(metric, int(b), float(pr), float(pt), int(e))
+    def candidate(self, p: Point, group=None) -> Candidate:
+        knobs = {self.space.group_knob: group} if self.space.group_knob else {}
+        knobs.update((k, ax[i]) for k, ax, i in zip(self.knob_names, self.axes, p))
+        return Candidate(tuple(self.space.canonical(knobs).items()))
+
+    def from_knobs(self, knobs: dict) -> Candidate | None:
+        """The candidate for a knob dict (e.g. a saved previous best), None if it is not this space's."""
+        names = ((self.space.group_knob,) if self.space.group_knob else ()) + self.knob_names
+        if not isinstance(knobs, dict) or set(knobs) != set(names):
+            return None
+        return Candidate(tuple((k, knobs[k]) for k in names))
+
+    def group(self, c: Candidate):
+        return c.knobs().get(self.space.group_knob) if self.space.group_knob else None
+
+    def label(self, c: Candidate) -> str:
+        return self.space.label(c.knobs())
 
     def point(self, c: Candidate) -> Point | None:
         """The grid point of a candidate, or None when one of its values is not on the axes."""
-        vals = (c.bins, c.prune_fraction, c.protect_fraction, c.embedding_bins)
+        knobs = c.knobs()
         out = []
-        for i, (ax, v) in enumerate(zip(self.axes, vals)):
-            if i == 3 and len(ax) == 1:  # collapsed embedding axis: any value maps onto it
+        for name, ax, collapsed in zip(self.knob_names, self.axes, self.collapsed):
+            if collapsed:  # any value maps onto a collapsed axis
                 out.append(0)
                 continue
-            hit = [j for j, a in enumerate(ax) if math.isclose(a, v, rel_tol=1e-9, abs_tol=1e-12)]
+            v = knobs.get(name)
+            hit = [j for j, a in enumerate(ax)
+                   if isinstance(v, int | float) and math.isclose(a, v, rel_tol=1e-9, abs_tol=1e-12)]
             if not hit:
                 return None
             out.append(hit[0])

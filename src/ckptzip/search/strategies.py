@@ -1,35 +1,41 @@
-"""DynaQuant's config search: guided exhaustive search, then delta-neighbourhood search.
+"""The config search: guided exhaustive search, then delta-neighbourhood search, for any searching method.
 
 Per checkpoint (Inshrinkerator section 5), with a user ``eval_fn`` and ``threshold``:
 
-- **exhaustive** (first checkpoint): for each prune metric, ``cube.guided_search`` over the
-  config cube finds the feasible frontier; of all feasible configs it evaluated, the one with
-  the highest *estimated* compression ratio wins. Sensitivity without gradient EMAs is the same
-  as magnitude, so it is skipped when ``ctx.gradients`` is None.
-- **neighbourhood** (steady state): first the previous best with both metrics; switch metric
-  when the other one's degradation is lower by more than ``METRIC_SWITCH_MARGIN`` x threshold.
-  Then the points within ``search_neighbourhood`` cube steps of the previous best (minus the
-  more aggressive ones under ``search_policy="monotone"``), ordered by estimated ratio, are
+- **exhaustive** (first checkpoint): for each group value (DynaQuant's prune metric; one pass for
+  spaces without a group), ``cube.guided_search`` over the config cube finds the feasible
+  frontier; of all feasible configs it evaluated, the one with the highest *estimated* compression
+  ratio wins. Sensitivity without gradient EMAs is the same as magnitude, so it is skipped when
+  ``ctx.gradients`` is None.
+- **neighbourhood** (steady state): with a group knob, first the previous best under both group
+  values; switch when the other one's degradation is lower by more than ``METRIC_SWITCH_MARGIN`` x
+  threshold. Then the points within ``search_neighbourhood`` cube steps of the previous best (minus
+  the more aggressive ones under ``search_policy="monotone"``), ordered by estimated ratio, are
   evaluated until the first feasible one.
 - **fallback**: nothing in the neighbourhood is feasible -> the exhaustive search again. If no
-  config at all passes, the least aggressive one (the cube's top corner, best metric) is chosen
+  config at all passes, the least aggressive one (the cube's top corner, best group) is chosen
   and the info says ``infeasible: True``.
 
-Embedding bins are the cube's 4th axis (present only when the state has embedding weights):
-searching it costs a few evaluations more than fixing it, and it lets the search trade
-embedding precision against the other knobs like any other axis.
+The paper extends this search to its baselines (section 8.2, Tables 10-12), each with its own
+space: DynaQuant, QD, CNR and GOBO all run through this module. What a method must provide
+(methods/searching.py, ``SearchingMethod``): ``config.space()`` (search/spaces.py),
+``search_records(state)`` (the weights the search judges), ``search_quantize(state, knobs,
+gradients)`` -> {name: QuantizedTensor}, ``search_dequantize(q)``, and ``search_coding``: how its
+encoder codes the codes, for the ratio estimate.
 
-Ratio estimate (for ordering and for picking among feasible configs): per quantized weight, the
-order-0 entropy of its codes (keyframe) or the conditional entropy H(delta | previous code) of
-its cyclic delta against the reference codes, which is what the rearranged delta encoder
-exploits (its groups are the previous code's buckets), plus 16 bits per protected value and 32
-per codebook entry. bench/search.py measures its rank correlation with the real encoded sizes.
+Ratio estimate (for ordering and for picking among feasible configs): per quantized weight,
+``search_coding`` = "conditional": the order-0 entropy of its codes (keyframe) or the conditional
+entropy H(delta | previous code) of its cyclic delta against the reference codes, which is what
+the rearranged delta encoder exploits (its groups are the previous code's buckets); "delta":
+H(delta) (QD: Huffman on the plain cyclic delta); "plain": H(codes) (no delta). Plus the side
+tensors' raw bits (protected values, outliers, per-row ranges) and 32 bits per codebook entry.
+bench/search.py measures its rank correlation with the real encoded sizes.
 
-Call order (methods/dynaquant.py ``_choose``)::
+Call order (methods/searching.py ``SearchingMethod.choose_knobs``)::
 
-    qcfg, info, search_state = search_config(method, state, reference, ctx, search_state)
-    # qcfg: DynaQuantConfig for this checkpoint; info -> manifest summary; search_state: keep for
-    # the next call (None on the first)
+    knobs, info, search_state = search_config(method, state, reference, ctx, search_state)
+    # knobs: the method config overrides for this checkpoint ({} when nothing is quantizable);
+    # info -> manifest summary; search_state: keep for the next call (None on the first)
 
 Parallel trials: pass ``group`` (or set ``ctx.process_group``): m data-parallel ranks evaluate m
 candidates per round and agree through one all_gather (dist.py); every rank must call
@@ -39,16 +45,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from .. import dist
 from ..codec.entropy import entropy_bits
-from ..quant import dynaquant as dq
+from ..errors import ConfigError
 from ..tensorbytes import torch_dtype
-from .cube import Candidate, ConfigCube, MonotoneOracle, SearchSpace, guided_search, speculate
+from .cube import Candidate, ConfigCube, MonotoneOracle, guided_search, speculate
 from .quality import QualityJudge
+
+CODINGS = ("conditional", "delta", "plain")
 
 # "clearly better": the other prune metric must free more than this share of the quality budget.
 # Each switch re-prunes different weights, so every code moves against the reference (bench/search.py:
@@ -73,10 +81,13 @@ class Trial:
         return self.raw_bits / self.est_bits if self.est_bits > 0 else math.inf
 
 
-def estimate_bits(quantized: dict, reference=None) -> tuple[float, float]:
+def estimate_bits(quantized: dict, reference=None, *, coding: str = "conditional") -> tuple[float, float]:
     """(estimated encoded bits, raw bits) of quantized weights (name -> QuantizedTensor), coded
-    against ``reference.data[name] = (codes, n_levels)`` where the reference has them."""
-    ref = reference.data if reference is not None else {}
+    against ``reference.data[name] = (codes, n_levels)`` where the reference has them (see the
+    module docstring for ``coding``)."""
+    if coding not in CODINGS:
+        raise ConfigError(f"coding must be one of {CODINGS}, got {coding!r}")
+    ref = reference.data if (reference is not None and coding != "plain") else {}
     est = raw = 0.0
     for name, q in quantized.items():
         codes = q.codes.reshape(-1)
@@ -87,10 +98,13 @@ def estimate_bits(quantized: dict, reference=None) -> tuple[float, float]:
             B = max(int(q.n_levels), int(p[1]))
             prev = p[0].reshape(-1).to(codes.device, torch.int64)
             delta = torch.remainder(codes.long() - prev, B)
-            est += entropy_bits(prev * B + delta) - entropy_bits(prev)  # H(delta | prev code)
+            if coding == "conditional":
+                est += entropy_bits(prev * B + delta) - entropy_bits(prev)  # H(delta | prev code)
+            else:
+                est += entropy_bits(delta)
         else:
             est += entropy_bits(codes)
-        est += 16.0 * q.side["protected"].numel() + 32.0 * q.n_levels
+        est += sum(8.0 * v.numel() * v.element_size() for v in q.side.values()) + 32.0 * q.n_levels
     return est, raw
 
 
@@ -98,11 +112,8 @@ class TrialRunner:
     """Evaluates candidates (quantize -> estimate -> dequantize -> eval), caches the results, and
     spreads rounds of candidates over a process group when one is given."""
 
-    def __init__(self, state, reference, ctx, base: dq.DynaQuantConfig, *, group=None):
-        from ..methods.dynaquant import quantize_weights  # the method module imports this one lazily
-
-        self._quantize_weights = quantize_weights
-        self.state, self.reference, self.base = state, reference, base
+    def __init__(self, method, state, reference, ctx, *, group=None):
+        self.method, self.state, self.reference = method, state, reference
         self.gradients = ctx.gradients
         self.group = group
         self.rank, self.size = dist.world(group)
@@ -118,19 +129,19 @@ class TrialRunner:
         self.n_estimates = 0    # quantize-and-estimate-only runs, all ranks together
 
     # --- one candidate, on this rank --------------------------------------------------------
-    def config(self, c: Candidate) -> dq.DynaQuantConfig:
-        return replace(self.base, **c.knobs())
-
     def _quantize(self, c: Candidate) -> dict:
-        return self._quantize_weights(self.state, self.config(c), self.gradients)
+        return self.method.search_quantize(self.state, c.knobs(), self.gradients)
+
+    def _estimate(self, q: dict) -> tuple[float, float]:
+        return estimate_bits(q, self.reference, coding=self.method.search_coding)
 
     def _estimate_row(self, c: Candidate) -> list[float]:
-        return list(estimate_bits(self._quantize(c), self.reference))
+        return list(self._estimate(self._quantize(c)))
 
     def _trial_row(self, c: Candidate) -> list[float]:
         q = self._quantize(c)
-        est, raw = estimate_bits(q, self.reference)
-        v = self.judge.check({n: dq.dequantize(qt) for n, qt in q.items()})
+        est, raw = self._estimate(q)
+        v = self.judge.check({n: self.method.search_dequantize(qt) for n, qt in q.items()})
         self.local_evals += 1
         return [float(v.feasible), v.degradation, v.score, est, raw]
 
@@ -183,28 +194,21 @@ class TrialRunner:
         self.judge.close()
 
 
-def _metrics(space: SearchSpace, gradients) -> list[str]:
-    # without gradient EMAs, sensitivity falls back to magnitude: the same configs twice
-    if not gradients:
-        return ["magnitude"]
-    return list(space.prune_metrics)
-
-
-def _frontier(cube: ConfigCube, metrics: list[str], answer) -> list[Candidate]:
+def _frontier(cube: ConfigCube, groups, answer) -> list[Candidate]:
     """The sequential exhaustive search as a pure function of the feasibility answers: the
-    feasible candidates it evaluated, per metric in order."""
+    feasible candidates it evaluated, per group in order."""
     out: list[Candidate] = []
-    for m in metrics:
-        oracle = MonotoneOracle(lambda p, m=m: answer(cube.candidate(p, m)))
+    for g in groups:
+        oracle = MonotoneOracle(lambda p, g=g: answer(cube.candidate(p, g)))
         guided_search(cube.bottom, cube.top, oracle)
-        out += [cube.candidate(p, m) for p in oracle.feasible]
+        out += [cube.candidate(p, g) for p in oracle.feasible]
     return out
 
 
-def exhaustive_search(runner: TrialRunner, cube: ConfigCube, metrics: list[str]) -> tuple[Trial, bool]:
-    """Guided exhaustive search per metric; (best feasible trial by estimated ratio, infeasible?)."""
+def exhaustive_search(runner: TrialRunner, cube: ConfigCube, groups) -> tuple[Trial, bool]:
+    """Guided exhaustive search per group; (best feasible trial by estimated ratio, infeasible?)."""
     def procedure(answer):
-        return _frontier(cube, metrics, answer)
+        return _frontier(cube, groups, answer)
 
     if runner.size > 1:  # rounds of speculative trials until the search can run from the cache
         while spec := speculate(procedure, lambda c: getattr(runner.cached(c), "feasible", None), runner.size):
@@ -212,33 +216,36 @@ def exhaustive_search(runner: TrialRunner, cube: ConfigCube, metrics: list[str])
     asked = [runner.trial(c) for c in procedure(lambda c: runner.trial(c).feasible)]
     if asked:
         return max(asked, key=lambda t: t.est_ratio), False
-    # nothing passes: the least aggressive config, with the metric that degrades least
-    tops = [runner.trial(cube.candidate(cube.top, m)) for m in metrics]
+    # nothing passes: the least aggressive config, with the group that degrades least
+    tops = [runner.trial(cube.candidate(cube.top, g)) for g in groups]
     return min(tops, key=lambda t: t.degradation), True
 
 
-def neighbourhood_search(runner: TrialRunner, cube: ConfigCube, prev: Candidate, metrics: list[str], *,
+def neighbourhood_search(runner: TrialRunner, cube: ConfigCube, prev: Candidate, groups, *,
                          steps: int = 1, monotone: bool = True, threshold: float = 0.01,
                          switch_margin: float = METRIC_SWITCH_MARGIN) -> tuple[Trial | None, dict]:
     """The first feasible config near ``prev`` in decreasing estimated ratio (None if none)."""
     p = cube.point(prev)
     if p is None:
         return None, {"reason": "previous config is not in the search space"}
-    cur = prev.prune_metric if prev.prune_metric in metrics else metrics[0]
+    groups = list(groups)
+    cur = cube.group(prev) if cube.group(prev) in groups else groups[0]
     switched = False
-    if len(metrics) > 1:
-        other = next(m for m in metrics if m != cur)
+    if len(groups) > 1:
+        other = next(g for g in groups if g != cur)
         a, b = cube.candidate(p, cur), cube.candidate(p, other)
         runner.evaluate([a, b])  # one round on two or more ranks
         if runner.trial(b).degradation < runner.trial(a).degradation - switch_margin * threshold:
             cur, switched = other, True
     points = cube.neighbourhood(p, steps, monotone=monotone)
-    cands = [cube.candidate(q, cur) for q in points]
+    cands = list(dict.fromkeys(cube.candidate(q, cur) for q in points))  # canonical duplicates once
     est = runner.estimates(cands)
     ratio = {c: (r / e if e > 0 else math.inf) for c, (e, r) in est.items()}
     order = sorted(range(len(cands)), key=lambda i: (-ratio[cands[i]], i))
-    return runner.first_feasible([cands[i] for i in order]), {"metric_switched": switched,
-                                                               "neighbours": len(cands)}
+    extra = {"neighbours": len(cands)}
+    if cube.space.group_knob:
+        extra["metric_switched"] = switched
+    return runner.first_feasible([cands[i] for i in order]), extra
 
 
 def _json_float(x: float) -> float | None:
@@ -246,45 +253,42 @@ def _json_float(x: float) -> float | None:
 
 
 def search_config(method, state, reference, ctx, search_state, *, group=None):
-    """Choose this checkpoint's DynaQuant config. Returns (DynaQuantConfig, info, new search_state).
+    """Choose this checkpoint's quantizer knobs. Returns (knobs, info, new search_state).
 
-    ``method.config`` supplies the fixed quantizer knobs (alpha, sigma, min_numel),
-    ``search_policy``, ``search_neighbourhood`` and optionally ``search_space`` (a SearchSpace or
-    dict). ``search_state`` is what the previous call returned (None at first).
+    ``method.config`` supplies ``search_policy``, ``search_neighbourhood`` and ``space()`` (the
+    method's search space, from its ``search_space`` field); the method itself the quantizer (see
+    the module docstring). ``search_state`` is what the previous call returned (None at first).
     """
-    from ..methods.dynaquant import weight_records
-
     t0 = time.perf_counter()
     mcfg = method.config
-    space = SearchSpace.from_any(getattr(mcfg, "search_space", None))
-    base = mcfg.quantizer()
     group = group if group is not None else getattr(ctx, "process_group", None)
-    recs = weight_records(state, base)
+    recs = method.search_records(state)
     if not recs:
-        return base, {"search": "none", "reason": "no quantizable weights"}, search_state
+        return {}, {"search": "none", "reason": "no quantizable weights"}, search_state
+    space = mcfg.space()
     cube = ConfigCube(space, embedding=any(r.layer_type == "embedding" for r in recs.values()))
-    metrics = _metrics(space, ctx.gradients)
+    groups = space.groups(ctx.gradients)
     st = dict(search_state or {})
-    runner = TrialRunner(state, reference, ctx, base, group=group)
+    runner = TrialRunner(method, state, reference, ctx, group=group)
     try:
         best, extra, infeasible = None, {}, False
         kind = "exhaustive"
-        if st.get("best") is not None:
+        prev = cube.from_knobs(st.get("best"))
+        if prev is not None:
             best, extra = neighbourhood_search(
-                runner, cube, Candidate(**st["best"]), metrics,
-                steps=int(getattr(mcfg, "search_neighbourhood", 1)),
-                monotone=getattr(mcfg, "search_policy", "monotone") == "monotone", threshold=ctx.threshold)
+                runner, cube, prev, groups, steps=int(mcfg.search_neighbourhood),
+                monotone=mcfg.search_policy == "monotone", threshold=ctx.threshold)
             kind = "neighbourhood" if best is not None else "fallback"
         if best is None:
-            best, infeasible = exhaustive_search(runner, cube, metrics)
+            best, infeasible = exhaustive_search(runner, cube, groups)
     finally:
         runner.close()
     info = {"search": kind, "evals": runner.evals, "rounds": runner.rounds, "estimates": runner.n_estimates,
-            "ranks": runner.size, "cube_size": len(cube) * len(metrics),
+            "ranks": runner.size, "cube_size": len(cube) * len(groups),
             "baseline": runner.judge.baseline, "score": _json_float(best.score),
             "degradation": _json_float(best.degradation), "threshold": ctx.threshold,
             "higher_is_better": bool(ctx.higher_is_better), "est_ratio": round(best.est_ratio, 3),
             "infeasible": infeasible, **extra, "search_s": round(time.perf_counter() - t0, 3)}
     new_state = {"best": best.candidate.knobs(), "checkpoints": st.get("checkpoints", 0) + 1,
                  "exhaustive": st.get("exhaustive", 0) + (kind != "neighbourhood")}
-    return replace(base, **best.candidate.knobs()), info, new_state
+    return best.candidate.knobs(), info, new_state
