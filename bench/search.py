@@ -98,7 +98,7 @@ def _real_bytes(quantized: dict, reference) -> int:
         p = ref.get(name)
         prev = p[0].long() if p is not None else None
         B = max(q.n_levels, p[1]) if p is not None else q.n_levels
-        n += len(encode_codes(prev, q.codes, B)) + 4 * q.n_levels + 2 * q.side["protected"].numel()
+        n += len(encode_codes(prev, q.codes.long(), B)) + 4 * q.n_levels + 2 * q.side["protected"].numel()
     return n
 
 
