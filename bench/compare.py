@@ -26,8 +26,9 @@ Sections (run all, or pick with --only):
           Also the exact-quantile error of the sketch, the clustering MSE against scikit-learn's, and
           GOBO's 1-D L1 k-means (quant/gobo.py) on the same tensor for reference.
   table5  Table 5 analog through the fault-tolerant harness (ckptzip.demo.faults.run): every
-          available method on the digits workload (``--table5-workloads digits,gpt2`` adds GPT-2 at
-          total_steps=120, ckpt_every=12, about 6 more minutes) with 5 failures, threshold 0.01 and
+          available method on the digits workload (``--table5-workloads digits,gpt2,minilm`` adds
+          GPT-2 at total_steps=120, ckpt_every=12, about 3-6 more minutes, and the demo's MiniLM
+          fine-tuning, about 15 more) with 5 failures, threshold 0.01 and
           the workload's eval_fn (dynaquant, qd, cnr and gobo each run the config search over their
           own table -- paper Tables 9-12, search/spaces.py -- at every checkpoint, as the paper
           extends its search to the baselines; excp and bitsnap keep their configs). Reported: final metric,
@@ -257,7 +258,8 @@ def section_table5(args) -> None:
     if args.methods:
         methods = [m for m in args.methods.split(",") if m]
     make = {"digits": lambda: W.digits_workload(),
-            "gpt2": lambda: W.gpt2_workload(total_steps=120, ckpt_every=12)}
+            "gpt2": lambda: W.gpt2_workload(total_steps=120, ckpt_every=12),
+            "minilm": lambda: W.minilm_workload()}
     out, notes, searched = [], [], []
     for name in args.table5_workloads.split(","):
         if name not in make:
@@ -322,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--k", type=int, default=32, help="table8: clusters")
     p.add_argument("--tile", default="10M", help="table8: size of the tiled tensor")
     p.add_argument("--repeats", type=int, default=3, help="table8: timed runs per measurement (best kept)")
-    p.add_argument("--table5-workloads", default="digits", help="table5: comma list of digits, gpt2")
+    p.add_argument("--table5-workloads", default="digits", help="table5: comma list of digits, gpt2, minilm")
     p.add_argument("--methods", default="", help="table5: comma list of methods (default: all available)")
     p.add_argument("--failures", type=int, default=5, help="table5: simulated failures per run")
     p.add_argument("--threshold", type=float, default=0.01, help="table5: per-checkpoint quality threshold")

@@ -238,6 +238,49 @@ def test_higher_is_better_accuracy(run):
     assert (qcfg.bins, qcfg.prune_fraction) != (32, 0.0)
 
 
+def test_output_fidelity_bounds_the_relative_output_error(run):
+    """eval_fn may return outputs: the search then bounds ||y - y0|| / ||y0|| by the threshold."""
+    snaps, _ = run
+    _, _, xte, _ = digits_data(0)
+
+    @torch.no_grad()
+    def logits(m):
+        return m(xte)
+
+    snap = snaps[5]
+    live = _live(snap)
+    flat = _flat(snap, live)
+    method = get_method("dynaquant")
+    found = {}
+    for th in (0.1, 0.3):
+        ctx = EncodeContext(step=snap.step, model=live, eval_fn=logits, threshold=th, gradients=snap.grads)
+        knobs, info, _ = search_config(method, flat, None, ctx, None)
+        assert info["judge"] == "outputs" and info["baseline"] == 0.0 and not info["infeasible"]
+        m = _live(snap)
+        sd = dict(snap.model)
+        for name, q in quantize_weights(flat, method.config.quantizer(**knobs), snap.grads).items():
+            sd[name.split("/", 1)[1]] = dequantize(q)
+        m.load_state_dict(sd)
+        err = float((logits(m) - logits(live)).norm() / logits(live).norm())
+        assert err == pytest.approx(info["degradation"], rel=1e-6) and err <= th
+        found[th] = info["est_ratio"]
+    assert found[0.3] > found[0.1]  # a looser output budget buys a smaller checkpoint
+    # outputs are lower-is-better errors, and must keep their shape between calls
+    with pytest.raises(ConfigError, match="higher_is_better"):
+        QualityJudge(live, logits, flat, higher_is_better=True)
+    calls = []
+
+    def shrinking(m):
+        calls.append(1)
+        return logits(m)[:len(xte) - len(calls) + 1]
+
+    judge = QualityJudge(live, shrinking, flat)
+    with pytest.raises(ConfigError, match="same outputs every call"):
+        judge.check({})
+    with pytest.raises(ConfigError, match="float score or a tensor"):
+        QualityJudge(live, lambda m: "good", flat)
+
+
 def test_nothing_feasible_picks_the_least_aggressive_config(run):
     snaps, _ = run
     snap = snaps[2]

@@ -44,7 +44,10 @@ def _tuples(x):
 class Compressor:
     """Save/restore a training run's full state into a compressed chain.
 
-    Methods without a config search accept and ignore ``threshold`` and ``eval_fn``.
+    Methods without a config search accept and ignore ``threshold`` and ``eval_fn``. ``eval_fn``
+    returns a float score (relative ``threshold`` on it), or the model's outputs on a fixed batch
+    as a tensor: then ``threshold`` bounds their relative error (search/quality.py), the signal to
+    use when fine-tuning, where the task loss cannot yet see damage to pretrained weights.
     Gradient capture for DynaQuant's sensitivity metric installs itself: hooks record a gradient
     EMA only in the ``grad_window`` backward passes before a save (the save interval is learned
     from the first saves, or given as ``save_every``); outside that window they cost nothing.
@@ -52,7 +55,8 @@ class Compressor:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, url,
                  method: str = "lossless", *, config=None, threshold: float = 0.01,
-                 eval_fn: Callable[[torch.nn.Module], float] | None = None, higher_is_better: bool = False,
+                 eval_fn: Callable[[torch.nn.Module], float | torch.Tensor] | None = None,
+                 higher_is_better: bool = False,
                  scheduler=None, extra_state: Callable[[], dict] | None = None,
                  keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
                  storage_options: dict | None = None, save_every: int | None = None, grad_window: int = 50,

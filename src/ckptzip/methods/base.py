@@ -74,7 +74,7 @@ class EncodeContext:
 
     step: int
     model: torch.nn.Module | None = None          # live model (config search evaluates copies of it)
-    eval_fn: Callable[[torch.nn.Module], float] | None = None
+    eval_fn: Callable[[torch.nn.Module], float | torch.Tensor] | None = None  # score or outputs (search/quality)
     threshold: float = 0.01                       # relative quality budget per checkpoint
     higher_is_better: bool = False
     gradients: dict[str, torch.Tensor] | None = None  # param name -> gradient EMA (sensitivity)

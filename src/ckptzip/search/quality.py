@@ -13,6 +13,17 @@ replaced by their dequantized values. A baseline of exactly 0 makes the differen
 A non-finite score is infinitely degraded. Only model weights are judged: optimizer moments do
 not change what ``eval_fn`` sees.
 
+**Output fidelity.** ``eval_fn`` may instead return the model's *outputs* (a tensor of more than
+one element, e.g. logits or hidden states on a fixed validation batch). The judge then keeps the
+exact state's outputs y0 and scores a candidate by its relative output error
+
+    score = degradation = ||y - y0|| / ||y0||      (baseline = 0; ``higher_is_better`` must be False)
+
+so ``threshold=0.05`` allows 5 % output error. Use it where a task score cannot see the damage:
+early in fine-tuning the task loss sits at chance whatever happens to the pretrained encoder, so
+a loss-based search passes configs that erase what the fine-tuning still needs
+(docs/BENCHMARKS.md, MiniLM).
+
 Evaluation happens on a scratch copy of the model (one deepcopy per search, reused for every
 trial) loaded with ``load_state_dict`` of the state_dict rebuilt from the state's skeleton, as
 ``restore`` rebuilds it: a tied weight (GPT-2's lm_head = wte) gets the same reconstruction.
@@ -111,6 +122,19 @@ def model_skeleton(state: FlatState):
     return sk.get("model") if isinstance(sk, dict) and isinstance(sk.get("model"), dict) else None
 
 
+def _scalar(s) -> float:
+    if isinstance(s, torch.Tensor):
+        if s.numel() != 1:
+            raise ConfigError(f"eval_fn returned a tensor of shape {tuple(s.shape)} where a score was expected; "
+                              "return a float score, or the same outputs (more than one element) every call")
+        return float(s.item())
+    try:
+        return float(s)
+    except (TypeError, ValueError):
+        raise ConfigError(f"eval_fn must return a float score or a tensor of outputs, got {type(s).__name__}") \
+            from None
+
+
 class QualityJudge:
     """Scores candidate reconstructions of one state against its exact score (see module docstring)."""
 
@@ -119,7 +143,7 @@ class QualityJudge:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"the config search needs the live nn.Module as model, got {type(model).__name__}")
         if not callable(eval_fn):
-            raise ConfigError("eval_fn must be a callable eval_fn(model) -> float")
+            raise ConfigError("eval_fn must be a callable eval_fn(model) -> float score or tensor of outputs")
         if not (isinstance(threshold, int | float) and math.isfinite(threshold) and threshold >= 0):
             raise ConfigError(f"threshold is a relative degradation >= 0 (0.01 = 1%), got {threshold!r}")
         self.eval_fn = eval_fn
@@ -135,11 +159,27 @@ class QualityJudge:
         self._model_records = {n for n, r in state.records.items() if n.startswith("model/")}
         self._scratch = scratch_copy(model)
         self._modes = [(m, m.training) for m in self._scratch.modules()]
-        self.baseline = self.score({})
+        self._outputs: torch.Tensor | None = None  # the exact state's outputs (output-fidelity mode)
+        first = self._run({})
+        if isinstance(first, torch.Tensor) and first.numel() > 1:
+            if self.higher_is_better:
+                raise ConfigError("eval_fn returned outputs (a tensor), which are judged by their relative "
+                                  "error (lower is better); drop higher_is_better=True")
+            self._outputs = first.detach().to(torch.float64)
+            if not bool(torch.isfinite(self._outputs).all()) or float(self._outputs.norm()) == 0.0:
+                raise NonFiniteError("eval_fn's outputs for the uncompressed state are all zero or not finite; "
+                                     "the config search needs outputs to compare against")
+            self.baseline = 0.0
+        else:
+            self.baseline = _scalar(first)
         self.evals = 0  # the baseline is not a trial
         if not math.isfinite(self.baseline):
             raise NonFiniteError(f"eval_fn returned {self.baseline} for the uncompressed state; the config "
                                  "search needs a finite score")
+
+    @property
+    def judges_outputs(self) -> bool:
+        return self._outputs is not None
 
     def state_dict(self, replacements: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The model state_dict of the state with ``replacements`` (record name -> tensor) swapped
@@ -152,17 +192,29 @@ class QualityJudge:
             sd = {k[len(self._prefix):] if k.startswith(self._prefix) else k: v for k, v in sd.items()}
         return sd
 
-    def score(self, replacements: Mapping[str, torch.Tensor]) -> float:
-        """eval_fn on the state with ``replacements`` (record name, e.g. ``model/fc1.weight``)."""
+    def _run(self, replacements: Mapping[str, torch.Tensor]):
         self._scratch.load_state_dict(self.state_dict(replacements))
         try:
             with preserved_rng():
-                s = self.eval_fn(self._scratch)
+                out = self.eval_fn(self._scratch)
         finally:
             for m, training in self._modes:
                 m.training = training
         self.evals += 1
-        return float(s.item() if isinstance(s, torch.Tensor) else s)
+        return out
+
+    def score(self, replacements: Mapping[str, torch.Tensor]) -> float:
+        """eval_fn on the state with ``replacements`` (record name, e.g. ``model/fc1.weight``); in
+        output-fidelity mode, the relative error of its outputs."""
+        out = self._run(replacements)
+        if self._outputs is None:
+            return _scalar(out)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(self._outputs.shape):
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ConfigError(f"eval_fn returned outputs of shape {tuple(self._outputs.shape)} for the exact state "
+                              f"but {got} for a candidate; return the same outputs every call")
+        err = float((out.detach().to(self._outputs) - self._outputs).norm() / self._outputs.norm())
+        return err if math.isfinite(err) else math.inf
 
     def degradation(self, score: float) -> float:
         if not math.isfinite(score):

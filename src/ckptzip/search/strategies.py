@@ -285,6 +285,7 @@ def search_config(method, state, reference, ctx, search_state, *, group=None):
         runner.close()
     info = {"search": kind, "evals": runner.evals, "rounds": runner.rounds, "estimates": runner.n_estimates,
             "ranks": runner.size, "cube_size": len(cube) * len(groups),
+            "judge": "outputs" if runner.judge.judges_outputs else "score",
             "baseline": runner.judge.baseline, "score": _json_float(best.score),
             "degradation": _json_float(best.degradation), "threshold": ctx.threshold,
             "higher_is_better": bool(ctx.higher_is_better), "est_ratio": round(best.est_ratio, 3),
