@@ -1,5 +1,6 @@
 """The fault-tolerant harness on a real (short) run: lossless restores reproduce training exactly;
 a lossy method stays close; the report is written."""
+import dataclasses
 import json
 
 import torch
@@ -27,3 +28,21 @@ def test_fault_tolerant_runs_and_report(tmp_path):
     assert [r["method"] for r in data["runs"]] == ["uncompressed", "lossless", "dynaquant"]
     assert "| digits-mlp | lossless |" in markdown_table([ref, lossless, dq])
     assert any(str(f).endswith(".png") for f in files)
+
+
+def test_workload_budget_and_output_fidelity_reach_the_search():
+    """A workload may judge outputs (as MiniLM does) at its own budget; the caller's threshold then
+    does not apply to it."""
+    torch.set_num_threads(1)
+    wl = digits_workload(total_steps=60, ckpt_every=20, hidden=128)
+    x = torch.linspace(-1, 1, 64 * 32).reshape(32, 64)
+
+    @torch.no_grad()
+    def outputs(m):
+        return m(x)
+
+    wl = dataclasses.replace(wl, eval_fn=outputs, threshold=0.2)
+    r = run(wl, "dynaquant", failures=1, threshold=0.01)
+    sums = [c["summary"] for c in r.checkpoints]
+    assert sums and all(s["judge"] == "outputs" and s["threshold"] == 0.2 for s in sums)
+    assert all(s["infeasible"] or s["degradation"] <= 0.2 for s in sums)

@@ -90,7 +90,8 @@ def run(wl: Workload, method: str | None, *, failures: int = 10, threshold: floa
     def compressor(m, o, s):
         if method is None:
             return None
-        return Compressor(m, o, url, method, config=method_config, threshold=threshold, eval_fn=wl.eval_fn,
+        th = wl.threshold if wl.threshold is not None else threshold
+        return Compressor(m, o, url, method, config=method_config, threshold=th, eval_fn=wl.eval_fn,
                           scheduler=s, save_every=wl.ckpt_every, async_save=async_save)
 
     ck = compressor(model, opt, sched)
