@@ -23,7 +23,6 @@ def _search_run(data, group):
     """The searches of a short run (exhaustive, then steady state), as comparable records."""
     from ckptzip.demo.workloads import DigitsMLP
     from ckptzip.methods.base import EncodeContext, Reference, get_method
-    from ckptzip.methods.dynaquant import quantize_weights
     from ckptzip.search import search_config
     from ckptzip.state import flatten_state
 
@@ -35,7 +34,7 @@ def _search_run(data, group):
 
     live = DigitsMLP(128)
     live.load_state_dict(snaps[-1]["model"])
-    method = get_method("dynaquant")
+    method = get_method(data.get("method", "dynaquant"))
     st, ref, out = None, None, []
     for s in snaps:
         flat = flatten_state({"model": s["model"]}, live)
@@ -44,7 +43,7 @@ def _search_run(data, group):
         out.append({"config": st["best"], **{k: info[k] for k in ("search", "degradation", "score", "baseline",
                                                                   "est_ratio", "infeasible", "evals", "rounds")}})
         ref = Reference(s["step"], {n: (q.codes, q.n_levels) for n, q in
-                                    quantize_weights(flat, method.config.quantizer(**knobs), s["grads"]).items()})
+                                    method.search_quantize(flat, knobs, s["grads"]).items()})
     return out
 
 
@@ -92,10 +91,9 @@ def sequential(digits):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_parallel_trials_choose_what_one_process_chooses(world, digits, sequential, tmp_path):
+def _check(world, data, sequential, tmp_path):
     path = tmp_path / "snaps.pt"
-    torch.save(digits, path)
+    torch.save(data, path)
     mp.spawn(_worker, args=(world, _free_port(), str(path), str(tmp_path)), nprocs=world, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     for r, res in enumerate(ranks):
@@ -107,4 +105,22 @@ def test_parallel_trials_choose_what_one_process_chooses(world, digits, sequenti
         assert {k: p[k] for k in keys} == {k: s[k] for k in keys}
         assert p["rounds"] <= s["rounds"]
     assert sum(p["rounds"] for p in par) < sum(s["rounds"] for s in sequential)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_parallel_trials_choose_what_one_process_chooses(world, digits, sequential, tmp_path):
+    _check(world, digits, sequential, tmp_path)
     assert [s["search"] for s in sequential][:2] == ["exhaustive", "neighbourhood"]
+
+
+def test_parallel_trials_drive_a_baseline_too(digits, tmp_path):
+    """The search is the same for the paper's baselines (QD's table here): 2 ranks, same choices."""
+    data = {**digits, "method": "qd"}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sequential = _search_run(data, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert {tuple(sorted(s["config"])) for s in sequential} == {("max_bins", "min_bins")}
+    _check(2, data, sequential, tmp_path)
