@@ -28,8 +28,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from .entropy import (ByteReader, as_symbols, pack_alphabet, pack_varints, read_alphabet, seal,
-                      symbol_table, unseal, write_varint)
+from .entropy import (alphabet_header, as_symbols, open_alphabet_stream, pack_varints, seal, symbol_table,
+                      write_varint)
 
 __all__ = ["ans_encode", "ans_decode", "quantize_counts", "PRECISION_BITS"]
 
@@ -46,10 +46,7 @@ def ans_encode(symbols) -> bytes:
     if k > _MAX_DISTINCT:
         raise ValueError(f"{k} distinct symbols exceed the ANS coder's {_MAX_DISTINCT}; "
                          "use the 'huffman' or 'zstd' coder")
-    out = bytearray(_MAGIC)
-    write_varint(out, sym.size)
-    write_varint(out, k)
-    out += pack_alphabet(values)
+    out = alphabet_header(_MAGIC, sym.size, values)
     if k >= 2:
         # a total near n keeps small streams' headers small; 2**24 is the coder's resolution
         freqs = quantize_counts(counts, min(PRECISION_BITS, max(8, int(sym.size).bit_length())))
@@ -64,13 +61,8 @@ def ans_encode(symbols) -> bytes:
 
 def ans_decode(buf) -> np.ndarray:
     """Inverse of :func:`ans_encode` -> 1-D int64 array. Corrupt input: CorruptCheckpointError."""
-    r = ByteReader(unseal(buf, "ans stream"), "ans stream")
-    r.magic(_MAGIC)
-    n = r.varint()
-    k = r.varint()
-    if (n == 0) != (k == 0) or k > n or k > _MAX_DISTINCT:
-        raise CorruptCheckpointError(f"ans stream header is inconsistent (n={n}, k={k})")
-    values = read_alphabet(r, k)
+    r, n, values = open_alphabet_stream(buf, _MAGIC, "ans stream", max_k=_MAX_DISTINCT)
+    k = values.size
     if k <= 1:
         r.expect_end()
         return np.full(n, values[0] if k else 0, dtype=np.int64)

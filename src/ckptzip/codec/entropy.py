@@ -58,7 +58,7 @@ __all__ = [
     "CODERS", "get_coder", "encode_stream", "decode_stream", "zstd_encode", "zstd_decode",
     "encode_codes", "decode_codes", "read_codes_header", "entropy_bits",
     "as_symbols", "symbol_table", "ByteReader", "write_varint", "pack_varints", "seal", "unseal",
-    "pack_alphabet", "read_alphabet",
+    "pack_alphabet", "read_alphabet", "alphabet_header", "open_alphabet_stream",
 ]
 
 # name -> (module, encode function, decode function); resolved on first use so that the coder
@@ -390,6 +390,27 @@ def pack_alphabet(values: np.ndarray) -> bytes:
     write_varint(head, zigzag(int(values[0])))
     gaps = (np.diff(values).astype(np.uint64) - np.uint64(1)) if values.size > 1 else np.zeros(0, np.uint64)
     return bytes(head) + pack_varints(gaps)
+
+
+def alphabet_header(magic: bytes, n: int, values: np.ndarray) -> bytearray:
+    """Start of the symbol coders' streams (huffman, ans): magic, n, k = len(values), the alphabet."""
+    out = bytearray(magic)
+    write_varint(out, n)
+    write_varint(out, values.size)
+    out += pack_alphabet(values)
+    return out
+
+
+def open_alphabet_stream(buf, magic: bytes, what: str, *, max_k: int | None = None
+                         ) -> tuple["ByteReader", int, np.ndarray]:
+    """Inverse of :func:`alphabet_header` on a sealed stream: (reader after the alphabet, n, values)."""
+    r = ByteReader(unseal(buf, what), what)
+    r.magic(magic)
+    n = r.varint()
+    k = r.varint()
+    if (n == 0) != (k == 0) or k > n or (max_k is not None and k > max_k):
+        raise CorruptCheckpointError(f"{what} header is inconsistent (n={n}, k={k})")
+    return r, n, read_alphabet(r, k)
 
 
 def read_alphabet(r: ByteReader, k: int) -> np.ndarray:

@@ -37,8 +37,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from .entropy import (ByteReader, as_symbols, pack_alphabet, read_alphabet, seal, symbol_table,
-                      unseal, write_varint)
+from .entropy import alphabet_header, as_symbols, open_alphabet_stream, seal, symbol_table, write_varint
 
 try:  # optional fast path
     import numba as _numba
@@ -71,10 +70,7 @@ def huffman_encode(symbols, *, max_code_len: int = MAX_CODE_LEN, backend: str = 
     if k > 1 << max_code_len:
         raise ValueError(f"{k} distinct symbols need codes longer than max_code_len={max_code_len}; "
                          "raise max_code_len (<= 32) or use the 'zstd' coder")
-    out = bytearray(_MAGIC)
-    write_varint(out, sym.size)
-    write_varint(out, k)
-    out += pack_alphabet(values)
+    out = alphabet_header(_MAGIC, sym.size, values)
     if k >= 2:
         lengths = code_lengths(counts, max_code_len, backend=backend)
         codes = canonical_codes(lengths)
@@ -94,13 +90,8 @@ def huffman_encode(symbols, *, max_code_len: int = MAX_CODE_LEN, backend: str = 
 def huffman_decode(buf, *, backend: str = "auto") -> np.ndarray:
     """Inverse of :func:`huffman_encode` -> 1-D int64 array. Corrupt input: CorruptCheckpointError."""
     fast = _pick(backend)
-    r = ByteReader(unseal(buf, "huffman stream"), "huffman stream")
-    r.magic(_MAGIC)
-    n = r.varint()
-    k = r.varint()
-    if (n == 0) != (k == 0) or k > n:
-        raise CorruptCheckpointError(f"huffman stream header is inconsistent (n={n}, k={k})")
-    values = read_alphabet(r, k)
+    r, n, values = open_alphabet_stream(buf, _MAGIC, "huffman stream")
+    k = values.size
     if k <= 1:
         r.expect_end()
         return np.full(n, values[0] if k else 0, dtype=np.int64)
