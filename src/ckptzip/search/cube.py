@@ -51,9 +51,6 @@ class Candidate:
         """The method config overrides (JSON-able)."""
         return dict(self.items)
 
-    def __getitem__(self, knob: str):
-        return self.knobs()[knob]
-
 
 class ConfigCube:
     """A search space as a grid of axis indices in quality order (see module docstring)."""
