@@ -450,15 +450,18 @@ def demo(
     out: Annotated[str, typer.Option("--out", "-o", help="report folder")] = "demo-report",
     transfer: Annotated[bool, typer.Option("--transfer", help="transfer-learning study (MiniLM)")] = False,
     async_save: Annotated[bool, typer.Option("--async", help="save through the asynchronous engine")] = False,
-    transfer_space: Annotated[str, typer.Option("--transfer-space",
-                                                help="search space for --transfer: paper | finetune")] = "paper",
+    transfer_check: Annotated[str, typer.Option(
+        "--transfer-check", help="quality check for --transfer: states | probe | retrieval")] = "states",
+    transfer_space: Annotated[str, typer.Option(
+        "--transfer-space", help="search space for --transfer: pretrained | paper | finetune")] = "pretrained",
+    seeds: Annotated[int, typer.Option("--seeds", min=1, help="fine-tuning seeds per row for --transfer")] = 1,
 ) -> None:
     """Fault-tolerant training on real workloads with compressed checkpoints (the main job)."""
     from .demo import run as demo_run
 
     with _bad_input():
         if transfer:
-            demo_run.transfer(out=out, space=transfer_space)
+            demo_run.transfer(out=out, check=transfer_check, space=transfer_space, seeds=tuple(range(seeds)))
             return
         demo_run.main(workloads=tuple(workload) or demo_run.DEFAULT_WORKLOADS,
                       methods=[m for m in methods.split(",") if m] or None, failures=failures, full=full,

@@ -83,12 +83,32 @@ def _quiet_frameworks() -> None:
         pass
 
 
-def transfer(out: str = "demo-report", thresholds=(0.01, 0.05), steps: int = 80, space: str = "paper") -> list[dict]:
+def transfer(out: str = "demo-report", thresholds=(0.01, 0.05), steps: int | None = None, check: str = "states",
+             space: str = "pretrained", seeds=(0,)) -> list[dict]:
     """Transfer learning (the paper's Table 6): compress the pretrained MiniLM (a keyframe) at each
-    threshold, fine-tune from the compressed and from the original weights, compare."""
-    from .transfer import run_transfer
+    threshold against a check for pretrained weights, fine-tune from the compressed and from the
+    original weights with the same seeds, compare; writes ``out/transfer.json``."""
+    from rich.table import Table
+
+    from . import transfer as T
 
     _quiet_frameworks()
-    if space not in ("paper", "finetune"):
-        raise ConfigError(f"unknown transfer search space {space!r}; choose 'paper' or 'finetune'")
-    return run_transfer(out=pathlib.Path(out), thresholds=thresholds, steps=steps, space=space)
+    console = Console()
+    rows = T.run_transfer(pathlib.Path(out), thresholds=thresholds, steps=steps or T.STEPS, kind=check,
+                          space=space, seeds=seeds, progress=lambda msg: console.print(f"[dim]{msg}"))
+    acc0 = rows[0]["test_accuracy"]
+    t = Table(title=f"Transfer learning: MiniLM compressed (check: {check}, space: {space}), then fine-tuned "
+                    f"{steps or T.STEPS} steps on stdlib docstrings (8 packages), seeds {list(seeds)}")
+    for c in ("weights", "threshold", "ratio", "config (bins/emb bins/prune/protect)", "check", "test accuracy",
+              "vs original"):
+        t.add_column(c, justify="left" if c in ("weights", "config (bins/emb bins/prune/protect)") else "right")
+    for r in rows:
+        cfg = r.get("config")
+        t.add_row(r["weights"], "-" if r["threshold"] is None else f"{100 * r['threshold']:g} %", f"{r['ratio']:.1f}x",
+                  "-" if not cfg else "/".join(f"{cfg[k]:g}" for k in ("bins", "embedding_bins", "prune_fraction",
+                                                                       "protect_fraction")),
+                  "-" if r.get("degradation") is None else f"{100 * r['degradation']:.2f} %",
+                  f"{r['test_accuracy']:.4f}", f"{100 * (r['test_accuracy'] - acc0):+.2f} pts")
+    console.print(t)
+    console.print(f"report: {pathlib.Path(out) / 'transfer.json'}")
+    return rows
