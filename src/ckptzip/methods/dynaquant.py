@@ -97,9 +97,8 @@ def quantize_weights(state: FlatState, cfg: dq.DynaQuantConfig, gradients=None) 
     grads = None
     if gradients:
         grads = {n: gradients[r.param] for n, r in recs.items() if r.param in gradients}
-    plan = dq.fit_layer_thresholds({n: (state.tensors[n], r.layer_type, "weight") for n, r in recs.items()},
-                                   cfg, grads)
-    return {n: _narrow(dq.quantize(state.tensors[n], n, plan)) for n in plan.tensors}
+    _, qs = dq.quantize_tensors({n: (state.tensors[n], r.layer_type, "weight") for n, r in recs.items()}, cfg, grads)
+    return {n: _narrow(q) for n, q in qs.items()}
 
 
 def _narrow(q: QuantizedTensor) -> QuantizedTensor:
