@@ -9,8 +9,8 @@ plain-torch reference; ``quantize_tensors`` returns the same plan and the same Q
 1. pack: the quantizable tensors, in order, into float32 chunks of up to ``CHUNK`` elements with
    segment offsets (a larger tensor is its own chunk, a view when it is float32 already); the
    gradients the same way when a layer type uses sensitivity;
-2. sketch pass: ``segment_histograms(absolute=True)`` -> every tensor's |x| (and |x g|)
-   histogram, inf/NaN checked on the way; merged per layer type -> thresholds
+2. sketch pass: ``segment_histograms`` -> every tensor's signed and |x| (and |x g|)
+   histograms, inf/NaN checked on the way; merged per layer type -> thresholds
    (``layer_type_plan``, shared with the reference); prune caps by one batched quantile;
 3. partition pass: per tensor the histogram of its *quantized* values (neither pruned nor
    protected), and its pruned / protected counts;
@@ -32,16 +32,13 @@ import torch
 
 from ..errors import ConfigError, NonFiniteError
 from ..parallel import thread_map
-from ..sketch import HAVE_NUMBA, LogSketch, _lut, segment_histograms
+from ..logbuckets import HAVE_NUMBA, lookup_table, segment_histograms
+from ..sketch import LogSketch
 from ..tensorbytes import dtype_name
 from . import dynaquant as dq
 from .base import QuantizedTensor
-from .levels import from_domain, histogram_centers, level_bounds, to_domain
-
-if HAVE_NUMBA:
-    import numba as _numba
-
-    from ..sketch import bucket_fold, emit_counts
+from .dqkernels import assign_kernel, partition_hist_kernel
+from .levels import from_domain, histogram_centers, level_bounds
 
 __all__ = ["quantize_tensors", "CHUNK"]
 
@@ -135,19 +132,22 @@ class Sketched:
         self._rows = None  # name -> (|x| row, |x g| row | None), from the sketch pass
 
     def rows(self) -> dict:
-        """The sketch pass (once): every tensor's |x| (and |x g|) histogram row; checks inf/NaN."""
+        """The sketch pass (once): name -> (|x| row, |x g| row or None, signed row), histogram rows
+        (ords, counts) of LogSketch(alpha); checks inf/NaN."""
         if self._rows is None:
             def sketch(c: _Chunk):
-                mag = segment_histograms(c.x, c.offsets, alpha=self.alpha, names=c.names, absolute=True)
+                signed, mag = segment_histograms(c.x, c.offsets, alpha=self.alpha, names=c.names,
+                                                 kinds=("signed", "abs"))
                 sens = None
                 if c.g is not None:
-                    sens = segment_histograms(c.x * c.g, c.offsets, alpha=self.alpha, names=c.names, absolute=True)
-                return mag, sens
+                    sens, = segment_histograms(c.x * c.g, c.offsets, alpha=self.alpha, names=c.names, kinds=("abs",))
+                return mag, sens, signed
 
             rows = {}
-            for c, (mag, sens) in zip(self.chunks, thread_map(sketch, self.chunks, self.threads)):
+            for c, (mag, sens, signed) in zip(self.chunks, thread_map(sketch, self.chunks, self.threads)):
                 for i, n in enumerate(c.names):
-                    rows[n] = (_row(mag, i), _row(sens, i) if sens is not None and n in self.has_grad else None)
+                    rows[n] = (_row(mag, i), _row(sens, i) if sens is not None and n in self.has_grad else None,
+                               _row(signed, i))
             self._rows = rows
         return self._rows
 
@@ -308,7 +308,7 @@ def _views(c: _Chunk):
 
 
 def _partition_hist(c: _Chunk, params, alpha: float):
-    t = _lut(float(alpha), 1e-30)
+    t = lookup_table(float(alpha), 1e-30)
     M = int(t.key.max())
     bits, x, g = _views(c)
     T = len(c.names)
@@ -316,7 +316,7 @@ def _partition_hist(c: _Chunk, params, alpha: float):
     ords, counts = np.empty(cap, np.int64), np.empty(cap, np.int64)
     ptr = np.zeros(T + 1, np.int64)
     n_pruned, n_prot = np.zeros(T, np.int64), np.zeros(T, np.int64)
-    bad = _part_hist_kernel(bits, x, g, c.offsets, *_param_arrays(params), t.shift, t.key, t.bound, M,
+    bad = partition_hist_kernel(bits, x, g, c.offsets, *_param_arrays(params), t.shift, t.key, t.bound, M,
                             ords, counts, ptr, n_pruned, n_prot)
     if bad >= 0:
         raise NonFiniteError(f"{c.names[bad]}: tensor holds inf/NaN; DynaQuant needs finite values (store it exact)")
@@ -337,7 +337,7 @@ def _assign(c: _Chunk, params, bounds, ks, n_prot):
     codes = np.empty(x.size, np.uint8 if top < 256 else np.int16 if top < 32768 else np.int32)
     prot_off = np.concatenate([[0], np.cumsum(n_prot)]).astype(np.int64)
     prot = np.empty(int(prot_off[-1]), np.float32)
-    _assign_kernel(x, g, c.offsets, *_param_arrays(params), B, nb, np.array(ks, np.int64), codes, prot, prot_off)
+    assign_kernel(x, g, c.offsets, *_param_arrays(params), B, nb, np.array(ks, np.int64), codes, prot, prot_off)
     return torch.from_numpy(codes), torch.from_numpy(prot), prot_off
 
 
@@ -353,137 +353,3 @@ def _quantized(name, x, plan, centers_f, codes, prot, n_pruned, n_prot) -> Quant
                            dtype=dtype_name(x.dtype), side={"protected": prot.to(torch.bfloat16)}, meta=meta)
 
 
-# ---------------------------------------------------------------------------------------------
-# numba kernels; the reference is dynaquant._partition / quantize per tensor
-
-if HAVE_NUMBA:
-    @_numba.njit(cache=True, nogil=True, inline="always")
-    def _part(v, gi, hg, prune, on_sens, pm, ps):  # pragma: no cover - compiled
-        """(pruned, protected) of one value, as dynaquant._partition (protection wins). Written as
-        selects, not branches: the loops around it vectorize (4x faster)."""
-        a = abs(v)
-        if hg:
-            sens = abs(v * gi)
-            return (v == 0) | ((sens if on_sens else a) < prune), (a > pm) | (sens > ps)
-        return (v == 0) | (a < prune), a > pm
-
-    @_numba.njit(cache=True, nogil=True)
-    def _part_hist_kernel(bits, x, g, offsets, prune, on_sens, pm, ps, has_g, shift, key, bound, M,
-                          ords, counts, ptr, n_pruned, n_prot):  # pragma: no cover - compiled
-        d = np.zeros((4, 2 * M + 2), dtype=np.int64)
-        n = 0
-        zero = np.float32(0.0)
-        for s in range(offsets.shape[0] - 1):
-            lo, hi = 2 * M + 1, 0
-            npr = 0
-            npt = 0
-            hg = has_g[s]
-            bad = 0
-            for i in range(offsets[s], offsets[s + 1]):
-                prn, prt = _part(x[i], g[i] if hg else zero, hg, prune[s], on_sens[s], pm[s], ps[s])
-                j = bucket_fold(bits[i], x[i], shift, key, bound)
-                bad = min(bad, j)
-                q = not (prn | prt)
-                d[i & 3, max(j, 0)] += q
-                lo = min(lo, j if q else lo)
-                hi = max(hi, j if q else hi)
-                npr += prn & (not prt)
-                npt += prt
-            if bad < 0:
-                return s
-            n = emit_counts(d, lo, hi, False, ords, counts, n)
-            ptr[s + 1] = n
-            n_pruned[s] = npr
-            n_prot[s] = npt
-        return -1
-
-    # branch-free count of the level boundaries below v, for a fixed padded width (a constant
-    # trip count lets LLVM vectorize across values: 1.5 ns per value instead of 6 for k = 16)
-    @_numba.njit(cache=True, nogil=True, inline="always")
-    def _below3(b, v):  # pragma: no cover - compiled
-        c = 0
-        for j in range(3):
-            c += b[j] < v
-        return c
-
-    @_numba.njit(cache=True, nogil=True, inline="always")
-    def _below7(b, v):  # pragma: no cover - compiled
-        c = 0
-        for j in range(7):
-            c += b[j] < v
-        return c
-
-    @_numba.njit(cache=True, nogil=True, inline="always")
-    def _below15(b, v):  # pragma: no cover - compiled
-        c = 0
-        for j in range(15):
-            c += b[j] < v
-        return c
-
-    @_numba.njit(cache=True, nogil=True, inline="always")
-    def _below31(b, v):  # pragma: no cover - compiled
-        c = 0
-        for j in range(31):
-            c += b[j] < v
-        return c
-
-    @_numba.njit(cache=True, nogil=True, inline="always")
-    def _below63(b, v):  # pragma: no cover - compiled
-        c = 0
-        for j in range(63):
-            c += b[j] < v
-        return c
-
-    @_numba.njit(cache=True, nogil=True, inline="always")
-    def _below_any(b, v):  # pragma: no cover - compiled
-        lo, hi = 0, b.shape[0]              # binary search: count of b[j] < v
-        while lo < hi:
-            h = (lo + hi) >> 1
-            if b[h] < v:
-                lo = h + 1
-            else:
-                hi = h
-        return lo
-
-    @_numba.njit(cache=True, nogil=True, inline="always")
-    def _code(v, gi, hg, prune, on_sens, pm, ps, top, below):  # pragma: no cover - compiled
-        prn, prt = _part(v, gi, hg, prune, on_sens, pm, ps)
-        return top if prt else (0 if prn else below + 1)
-
-    @_numba.njit(cache=True, nogil=True)
-    def _assign_segment(x, g, a, e, hg, b, m, prune, on_sens, pm, ps, top, codes):  # pragma: no cover
-        """Codes of x[a:e]; one loop per padded width so that each has a constant inner trip count."""
-        z = np.float32(0.0)
-        if m <= 3:
-            for i in range(a, e):
-                codes[i] = _code(x[i], g[i] if hg else z, hg, prune, on_sens, pm, ps, top, _below3(b, x[i]))
-        elif m <= 7:
-            for i in range(a, e):
-                codes[i] = _code(x[i], g[i] if hg else z, hg, prune, on_sens, pm, ps, top, _below7(b, x[i]))
-        elif m <= 15:
-            for i in range(a, e):
-                codes[i] = _code(x[i], g[i] if hg else z, hg, prune, on_sens, pm, ps, top, _below15(b, x[i]))
-        elif m <= 31:
-            for i in range(a, e):
-                codes[i] = _code(x[i], g[i] if hg else z, hg, prune, on_sens, pm, ps, top, _below31(b, x[i]))
-        elif m <= 63:
-            for i in range(a, e):
-                codes[i] = _code(x[i], g[i] if hg else z, hg, prune, on_sens, pm, ps, top, _below63(b, x[i]))
-        else:
-            for i in range(a, e):
-                codes[i] = _code(x[i], g[i] if hg else z, hg, prune, on_sens, pm, ps, top, _below_any(b[:m], x[i]))
-
-    @_numba.njit(cache=True, nogil=True)
-    def _assign_kernel(x, g, offsets, prune, on_sens, pm, ps, has_g, B, nb, ks, codes, prot,
-                       prot_off):  # pragma: no cover - compiled
-        for s in range(offsets.shape[0] - 1):
-            a, e = offsets[s], offsets[s + 1]
-            m = nb[s]
-            top = ks[s] + 1
-            _assign_segment(x, g, a, e, has_g[s], B[s], m, prune[s], on_sens[s], pm[s], ps[s], top, codes)
-            q = prot_off[s]
-            if prot_off[s + 1] > q:
-                for i in range(a, e):          # protected values, in index order
-                    if codes[i] == top:
-                        prot[q] = x[i]
-                        q += 1
