@@ -105,6 +105,7 @@ def lightning_checkpoints(n_optimizers: int = 1) -> list[tuple[str, dict]]:
     out = []
     for i, step in enumerate(STEPS):
         sd = collections.OrderedDict((f"net.{k}", v) for k, v in _weights(i).items())
+        sd._metadata = collections.OrderedDict({"": {"version": 1}, "net": {"version": 1}})
         out.append((f"epoch={i}-step={step}.ckpt", {
             "epoch": i, "global_step": step, "pytorch-lightning_version": "2.6.6", "state_dict": sd,
             "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"completed": i}}}},
