@@ -70,7 +70,7 @@ def check_output(out: str | os.PathLike, *, force: bool = False) -> pathlib.Path
     if out.exists() and not force:
         if out.is_dir() and not any(out.iterdir()):
             return out
-        raise FileExistsError(f"{out} already exists; pass --force to replace it or choose a new path")
+        raise FileExistsError(f"{out} already exists; pass --force (force=True) to replace it or choose a new path")
     return out
 
 

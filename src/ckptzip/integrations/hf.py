@@ -53,11 +53,14 @@ class CkptzipCallback(TrainerCallback):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def restore_checkpoint(chain_url, step: int | None = None, out_dir=".") -> str:
-    """Rebuild the Trainer's ``checkpoint-N/`` folder of ``step`` (latest if None) under ``out_dir``."""
+def restore_checkpoint(chain_url, step: int | None = None, out_dir=".", *, force: bool = False) -> str:
+    """Rebuild the Trainer's ``checkpoint-N/`` folder of ``step`` (latest if None) under ``out_dir``.
+
+    An existing non-empty folder of that name is an error unless ``force`` (then it is replaced).
+    """
     chain = CheckpointChain(chain_url)
     restored = chain.restore(step)
     folder = pathlib.Path(out_dir) / f"checkpoint-{restored.step}"
     folder.parent.mkdir(parents=True, exist_ok=True)
-    write_restored(restored.state, folder, step=restored.step)
+    write_restored(restored.state, folder, step=restored.step, force=force)
     return str(folder)
