@@ -37,7 +37,6 @@ class SourceLayout:
     """Base of the layouts; see the module docstring for the order of calls."""
 
     descriptor = ""
-    ingestible = True  # False: recognised on disk but not something to compress (a Lightning pointer)
     folder = False     # True: a restore can write the source's folder again (write_folder)
 
     def detect(self, path: pathlib.Path) -> bool:

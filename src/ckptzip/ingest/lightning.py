@@ -42,7 +42,6 @@ class Pointer:
 @register
 class LightningLayout(SourceLayout):
     descriptor = LIGHTNING_LAYOUT
-    ingestible = False  # a pointer's checkpoint is already in its chain
 
     def detect(self, path: pathlib.Path) -> bool:
         if not path.is_file() or path.stat().st_size > _POINTER_MAX_BYTES:
@@ -53,7 +52,7 @@ class LightningLayout(SourceLayout):
             return False
 
     def check(self, path: pathlib.Path) -> tuple[int | None, str]:
-        ptr = read_pointer(path)
+        ptr = read_pointer(path)  # a pointer's checkpoint is already in its chain: nothing to compress
         raise ConfigError(f"{path} is a ckptzip pointer to step {ptr.step} of the chain "
                           f"{path.parent / ptr.chain}, already compressed; restore it with "
                           f"`ckptzip restore {path.parent / ptr.chain} --step {ptr.step} --out x.ckpt`")
@@ -65,7 +64,6 @@ class LightningLayout(SourceLayout):
 @register
 class LightningV0Layout(SourceLayout):
     descriptor = LIGHTNING_V0
-    ingestible = False
 
     def rebuild(self, state: dict, lay: dict, step: int | None):
         ckpt = dict(state.get("lightning", {}))
