@@ -260,3 +260,13 @@ def test_unknown_layout_version_and_failed_write_keep_outputs(tmp_path):
     with pytest.raises(ConfigError, match="not a tensor"):  # fails inside the write: out must survive
         ingest.write_restored({"model": {"w": torch.ones(2), "n": 3}}, out, force=True)
     assert out.read_bytes() == b"previous" and sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
+
+
+def test_compress_job_checks_before_writing(tmp_path):
+    from ckptzip.ingest.compress import plan
+
+    with pytest.raises(ConfigError, match="no checkpoints to compress"):
+        plan([], str(tmp_path / "chain"))
+    with pytest.raises(ConfigError, match="need --eval"):
+        plan([], str(tmp_path / "chain"), threshold=0.01)
+    assert list(tmp_path.iterdir()) == []

@@ -3,11 +3,12 @@
     job = plan(paths, out, method="lossless")   # every error before anything is written
     entries = run(job, on_source=show)          # one chain save per source; show(src) before each
 
-``plan`` checks the method and its config, the quality options, the chain folder (new, empty, or a chain whose latest
-step comes before the sources), every source (sources.find_sources) and, for methods with a config
-search, loads the ``--eval`` spec: ``module:function`` or ``path/to/file.py:function`` returning
-``(model, eval_fn)``. ``run`` then loads each source's weights into that model before its save, so
-the search judges quality on the checkpoint being compressed.
+``plan`` checks the method and its config, the quality options, the chain folder (new, empty, or
+a chain whose latest step comes before the sources), every source (sources.find_sources) and, for
+methods with a config search, loads the ``--eval`` spec: ``module:function`` or
+``path/to/file.py:function`` returning ``(model, eval_fn)``. ``run`` then loads each source's
+weights into that model before its save, so the search judges quality on the checkpoint being
+compressed. Messages name the ``ckptzip compress`` options, since that is who they are for.
 """
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ def plan(paths: Sequence[str | os.PathLike], out: str, method: str = "lossless",
         raise ConfigError(f"--threshold must be a positive relative budget such as 0.01, got {threshold}")
     entries = check_target(out)
     sources = find_sources(paths)
+    if not sources:
+        raise ConfigError("no checkpoints to compress; pass torch.save files or Trainer checkpoint-N folders")
     if entries and sources[0].step <= entries[-1].step:
         raise ConfigError(f"{sources[0].path} has step {sources[0].step}, not after the chain's latest step "
                           f"{entries[-1].step}; pass later checkpoints or choose a new --out")

@@ -16,7 +16,7 @@ chain. An implementation can expect this order of calls (sources.py and restore.
     obj = L.rebuild(state, lay, step)   # what a .pt restore writes: the structure the source had
     L.write_folder(state, lay, folder)  # folder layouts only: the same files again
 
-A descriptor keeps its meaning forever: a change of what a layout stores gets a new version and the
+torchfile.py is the worked example. A descriptor keeps its meaning forever: a change of what a layout stores gets a new version and the
 old one stays readable (``lightning/0`` is v0.1's unversioned Lightning layout, read only).
 """
 from __future__ import annotations
