@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import CkptzipError, CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError
-from .format import damaged_records, decode_container, encode_container, sha256
+from .format import decode_container, encode_container, sha256
 from .methods.base import DecodeContext, EncodeContext, Encoded, Method, Reference, get_method, method_for_file
 from .state import FlatState, TensorRecord, flatten_state, skeleton_refs, unflatten_state
 
@@ -114,20 +114,6 @@ class CheckpointChain:
         self._entries: list[Entry] | None = None
         self._ref: Reference | None = None          # what the next save encodes against
         self._ref_checked = False                   # rebuilt from the chain after a restart?
-
-    @classmethod
-    def open_existing(cls, url, *, read_index: bool = True, storage_options: dict | None = None) -> "CheckpointChain":
-        """An existing, committed chain to read, or a one-line error saying what ``url`` is instead."""
-        chain = cls(url, storage_options=storage_options)
-        st = chain.storage
-        if not st.fs.exists(st.root):
-            raise FileNotFoundError(f"{url}: no such chain; check the path (create one with `ckptzip compress`)")
-        if not st.exists(INDEX):
-            raise IncompleteCheckpointError(f"{url}: not a ckptzip chain (no index.json); pass a folder written by "
-                                            "`ckptzip compress` or CheckpointChain")
-        if read_index:
-            chain.entries(refresh=True)  # a corrupt index raises CorruptCheckpointError here
-        return chain
 
     # --- index ----------------------------------------------------------------------------
     def entries(self, *, refresh: bool = False) -> list[Entry]:
@@ -382,20 +368,6 @@ class CheckpointChain:
                     problems.append(f"step {e.step}: decode failed: {err.__class__.__name__}: {err}")
         return problems
 
-    def damaged_records(self, problems: list[str]) -> list[str]:
-        """For the files that ``problems`` (verify's lines) name: which records fail their checksums."""
-        out = []
-        for e in self.entries():
-            where = self.storage.path(e.file)
-            if not any(where in p for p in problems):
-                continue
-            try:
-                data = self.storage.read(e.file)
-            except OSError:
-                continue  # a missing file: the problem line already says so
-            out += damaged_records(data, name=where)
-        return out
-
     def truncate(self, step: int) -> list[int]:
         """Roll the chain back to ``step``: drop every later checkpoint; returns the dropped steps.
 
@@ -466,3 +438,17 @@ def _bytes_by_role(flat: FlatState, enc: Encoded) -> dict:
     if shared:
         out.setdefault("shared", [0, 0])[1] += shared
     return out
+
+
+def open_chain(url, *, read_index: bool = True, storage_options: dict | None = None) -> CheckpointChain:
+    """An existing, committed chain to read, or a one-line error saying what ``url`` is instead."""
+    chain = CheckpointChain(url, storage_options=storage_options)
+    st = chain.storage
+    if not st.fs.exists(st.root):
+        raise FileNotFoundError(f"{url}: no such chain; check the path (create one with `ckptzip compress`)")
+    if not st.exists(INDEX):
+        raise IncompleteCheckpointError(f"{url}: not a ckptzip chain (no index.json); pass a folder written by "
+                                        "`ckptzip compress` or CheckpointChain")
+    if read_index:
+        chain.entries(refresh=True)  # a corrupt index raises CorruptCheckpointError here
+    return chain

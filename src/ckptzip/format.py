@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import zstandard
 
-from .errors import CkptzipError, CorruptCheckpointError, FormatVersionError
+from .errors import CorruptCheckpointError, FormatVersionError
 
 FORMAT_VERSION = 1
 MAGIC_KEY = "ckptzip.format"
@@ -142,22 +142,3 @@ def unpack_manifest(stored: str):
 def read_manifest(data: bytes | memoryview, *, name: str = "checkpoint") -> dict:
     """Validated manifest without hashing the blobs (for listings)."""
     return decode_container(data, name=name, verify_blobs=False).manifest
-
-
-def damaged_records(data: bytes | memoryview, *, name: str = "checkpoint") -> list[str]:
-    """One line per record (or shared blob) whose data fails its checksum.
-
-    Empty when every blob is sound, or when the header itself is damaged (decode_container's error
-    names that).
-    """
-    try:
-        c = decode_container(data, name=name, verify_blobs=False)
-    except CkptzipError:
-        return []
-    owner = {k: n for n, r in c.manifest.get("records", {}).items() for k in r.get("blobs", {}).values()}
-    out = []
-    for k, blob in c.blobs.items():
-        if sha256(blob) != c.manifest["blobs"][k].get("sha256"):
-            what = f"record {owner[k]!r}" if k in owner else f"shared blob {k!r}"
-            out.append(f"{name}: {what} is damaged (blob {k} fails its checksum)")
-    return out
