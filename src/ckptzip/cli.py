@@ -2,11 +2,9 @@
 
 This module only parses arguments, prints (tables.py) and maps errors to exit codes (``EXIT_CODES``);
 the work is done where it belongs (ingest/ for compress and restore, chain.py, format.py). Every
-command validates its inputs before writing anything: bad input (a missing path, a pickle that needs
-arbitrary code, an unknown method, a step not in the chain, an unwritable output, a folder that is
-not a chain) prints one line on stderr naming the thing and the fix, and exits 2 with the chain
-untouched; ``verify`` exits 1 when it finds a problem. Heavy imports (torch) happen inside the
-commands so ``ckptzip --help`` stays fast.
+command checks its inputs before writing anything: bad input prints one line on stderr naming the
+thing and the fix and exits 2, the chain untouched; ``verify`` exits 1 when it finds a problem.
+Heavy imports (torch) happen inside the commands so ``ckptzip --help`` stays fast.
 """
 from __future__ import annotations
 
@@ -27,6 +25,9 @@ if TYPE_CHECKING:
 
 EXIT_PROBLEMS = 1   # verify found a problem in the chain
 EXIT_BAD_INPUT = 2  # the user's input is wrong: one line on stderr, nothing written
+# error class -> exit code, first match wins; any other error is a bug and keeps its traceback
+EXIT_CODES = ((CkptzipError, EXIT_BAD_INPUT),  # bad input we detected: one line naming the thing and the fix
+              (OSError, EXIT_BAD_INPUT))       # a path that is missing, unwritable, a file not a folder, ...
 
 app = typer.Typer(
     name="ckptzip",
@@ -38,19 +39,6 @@ app = typer.Typer(
 )
 
 
-# ---------------------------------------------------------------------------------------------
-# errors -> one line + exit code
-
-# error class -> exit code, first match wins; any other error is a bug and keeps its traceback
-EXIT_CODES = ((CkptzipError, EXIT_BAD_INPUT),  # bad input we detected: one line naming the thing and the fix
-              (OSError, EXIT_BAD_INPUT))       # a path that is missing, unwritable, a file not a folder, ...
-
-
-def exit_code(err: BaseException) -> int | None:
-    """The exit code for an error the user caused; None for anything else."""
-    return next((code for cls, code in EXIT_CODES if isinstance(err, cls)), None)
-
-
 @contextlib.contextmanager
 def _bad_input():
     """Map the errors a user can cause (``EXIT_CODES``) to one line on stderr and their exit code."""
@@ -59,7 +47,7 @@ def _bad_input():
     except (typer.Exit, typer.Abort):
         raise
     except Exception as e:
-        code = exit_code(e)
+        code = next((code for cls, code in EXIT_CODES if isinstance(e, cls)), None)
         if code is None:
             raise
         msg = str(e)
@@ -68,9 +56,6 @@ def _bad_input():
         typer.echo(f"error: {' '.join(msg.split())}", err=True)  # one line, whatever the message held
         raise typer.Exit(code) from None
 
-
-# ---------------------------------------------------------------------------------------------
-# consoles and progress
 
 def _out():
     from rich.console import Console
@@ -91,24 +76,20 @@ def _progress():
                     TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal)
 
 
-# ---------------------------------------------------------------------------------------------
-# argument parsing
-
 def _open_chain(url: str, *, read_index: bool = True) -> "CheckpointChain":
     from .chain import open_chain  # imported here: --help stays fast
 
     return open_chain(url, read_index=read_index)
 
 
-def _json_object(option: str, text: str | None) -> dict | None:
-    if text is None:
-        return None
+def _config(text: str | None) -> dict | None:
+    """--config: a JSON object of config fields."""
     try:
-        obj = json.loads(text)
+        obj = None if text is None else json.loads(text)
     except ValueError:
-        raise ConfigError(f"{option} {text!r} is not valid JSON; pass e.g. '{{\"zstd_level\": 9}}'") from None
-    if not isinstance(obj, dict):
-        raise ConfigError(f"{option} must be a JSON object of config fields")
+        raise ConfigError(f"--config {text!r} is not valid JSON; pass e.g. '{{\"zstd_level\": 9}}'") from None
+    if obj is not None and not isinstance(obj, dict):
+        raise ConfigError("--config must be a JSON object of config fields")
     return obj
 
 
@@ -135,8 +116,9 @@ def compress(
     """Ingest existing checkpoints, in step order, into a compressed chain."""
     with _bad_input():
         from .ingest.compress import plan, run
+        from .tables import totals
 
-        cfg = _json_object("--config", config)
+        cfg = _config(config)
         with _progress() as prog:
             prog.add_task("checking sources", total=None)
             job = plan(src, out, method, cfg, keyframe_every=keyframe_every, eval_spec=eval_spec,
@@ -145,8 +127,6 @@ def compress(
             task = prog.add_task("compressing", total=len(job.sources))
             entries = run(job, on_source=lambda s: prog.update(
                 task, description=f"step {s.step} <- {s.path.name}", completed=job.sources.index(s)))
-    from .tables import totals
-
     steps = [s.step for s in job.sources]
     typer.echo(f"compressed {len(job.sources)} checkpoint(s) (steps {steps[0]}..{steps[-1]}) into {out} with "
                f"{job.method.descriptor}: {totals(entries)}")
