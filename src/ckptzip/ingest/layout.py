@@ -16,8 +16,9 @@ chain. An implementation can expect this order of calls (sources.py and restore.
     obj = L.rebuild(state, lay, step)   # what a .pt restore writes: the structure the source had
     L.write_folder(state, lay, folder)  # folder layouts only: the same files again
 
-torchfile.py is the worked example. A descriptor keeps its meaning forever: a change of what a layout stores gets a new version and the
-old one stays readable (``lightning/0`` is v0.1's unversioned Lightning layout, read only).
+torchfile.py is the worked example. A descriptor keeps its meaning forever: a change of what a
+layout stores gets a new version and the old one stays readable (``lightning/0`` is v0.1's
+unversioned Lightning layout, read only). An unknown descriptor is a FormatVersionError.
 """
 from __future__ import annotations
 
