@@ -31,13 +31,15 @@ device.
 **Many histograms at once** (``kmeans_rows``, the quantizer's default ``kmeans="density"``): a
 named, measured variant for speed. Seeding is deterministic instead of sampled: the high-resolution
 optimum of 1-D quantization places centers with density proportional to p^(1/3) (Panter & Dite),
-so centers start at quantiles of (w_i / s_i)^(1/3) * s_i (s_i: spacing of the sorted points around
-point i, w_i: its weight), at three quantile grids ((i + .5)/k, i/(k - 1), (i + .25)/(k - .5)); all
-rows and seedings run one batched Lloyd (padded rows, converged rows frozen, so a row's result does
-not depend on its batch) and each row keeps its seeding of lowest weighted SSE. On every 2-D
-tensor and Adam moment of a trained byte-level GPT (bench/speed.py --only kmeans) its SSE is
-0.97-1.00x that of ``weighted_kmeans_1d`` on average, at most 1.16x, for k = 4..32, sigma 0.2 / 1;
-it costs a few dozen torch ops per *batch* instead of thousands per tensor.
+so centers start at quantiles of (w_i / s_i)^e * s_i (s_i: spacing of the sorted points around
+point i, w_i: its weight) for e = 1/3 and 1/2 (more to the sparse tails), each at three quantile
+grids ((i + .5)/k, i/(k - 1), (i + .25)/(k - .5)); all rows and their six seedings run one
+batched Lloyd (padded rows, converged rows frozen, so a row's result does not depend on its
+batch; a numba kernel beside the plain-torch loop, identical bits) and each row keeps its seeding
+of lowest weighted SSE. On the tensors DynaQuant quantizes (>= 1024 values: every 2-D tensor and
+Adam moment of a trained byte-level GPT, and of the digits MLP) its SSE is 0.97-1.00x that of
+``weighted_kmeans_1d`` on average, at most 1.06x, for k = 4..32 and sigma 0.2 / 1
+(tests/test_kmeans.py); it costs a few dozen torch ops per *batch* instead of thousands per tensor.
 """
 from __future__ import annotations
 
@@ -196,8 +198,12 @@ def _weights_rows(x: torch.Tensor, cnt: torch.Tensor, n: torch.Tensor, sigma: fl
     return torch.where(rowsum(w) > 0, w, freq)
 
 
+DENSITY_EXPONENTS = (1.0 / 3.0, 0.5)  # p^(1/3): the high-resolution optimum; p^(1/2): more to the tails
+
+
 def _density_seeds(x: torch.Tensor, w: torch.Tensor, n: torch.Tensor, k: int) -> torch.Tensor:
-    """(R, 3, k) initial centers: k distinct points at three quantile grids of the p^(1/3) mass."""
+    """(R, S, k) initial centers: k distinct points at three quantile grids of the p^e mass, for
+    each e in DENSITY_EXPONENTS (S = 3 * len(DENSITY_EXPONENTS))."""
     R, B = x.shape
     j = torch.arange(B)[None, :]
     last = (n - 1)[:, None]
@@ -205,15 +211,19 @@ def _density_seeds(x: torch.Tensor, w: torch.Tensor, n: torch.Tensor, k: int) ->
     s[:, 1:-1] = (x[:, 2:] - x[:, :-2]) * 0.5
     s[:, 0], s[:, -1] = x[:, 1] - x[:, 0], 0.0
     s = torch.where(j == last, x.gather(1, last) - x.gather(1, last - 1), s)
-    mass = torch.where(j > last, 0.0, (w / s.clamp_min(1e-300)).pow(1.0 / 3.0) * s)
-    cm = torch.cumsum(mass, 1)
+    dens = w / s.clamp_min(1e-300)
     i = torch.arange(k, dtype=torch.float64)
     grids = torch.cat([(i + 0.5) / k, i / max(k - 1, 1), (i + 0.25) / (k - 0.5)])       # (3k,)
-    idx = torch.searchsorted(cm, grids[None, :] * cm[:, -1:]).reshape(R, 3, k)
+    idx = []
+    for e in DENSITY_EXPONENTS:
+        cm = torch.cumsum(torch.where(j > last, 0.0, dens.pow(e) * s), 1)
+        idx.append(torch.searchsorted(cm, grids[None, :] * cm[:, -1:]).reshape(R, 3, k))
+    idx = torch.cat(idx, 1)
     ii = torch.arange(k)
     idx = torch.cummax(idx - ii, 2).values + ii                        # strictly increasing ...
     idx = torch.minimum(idx, n[:, None, None] - k + ii)                # ... and inside each row
-    return x.gather(1, idx.reshape(R, 3 * k)).reshape(R, 3, k)
+    S = idx.shape[1]
+    return x.gather(1, idx.reshape(R, S * k)).reshape(R, S, k)
 
 
 def _lloyd_rows(x: torch.Tensor, w: torch.Tensor, n: torch.Tensor, c: torch.Tensor, max_iter: int,
