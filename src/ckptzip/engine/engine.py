@@ -643,8 +643,8 @@ class AsyncCheckpointEngine:
                                   f"{self.chain.method.name} uses its fixed config; use async_save=False "
                                   "for the per-checkpoint config search", stacklevel=4)
                 continue
-            if v is None or isinstance(v, bool | int | float | str):
-                out[f.name] = v
+            if v is None or isinstance(v, bool | int | float | str) or f.name == "search":
+                out[f.name] = v  # ``search``: JSON (knobs chosen by the trainer's search thread)
             elif isinstance(v, dict) and all(isinstance(t, torch.Tensor) for t in v.values()):
                 names = {str(k): f"{f.name}/{k}" for k in v}
                 aux.update({names[str(k)]: t for k, t in v.items()})
