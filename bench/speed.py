@@ -80,12 +80,17 @@ def small_states(n: int, every: int) -> list[dict]:
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=96, n_layer=4, n_head=4, n_positions=64,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    return train(model, opt, text, seq=64, batch=8, every=every, n=n)
+
+
+def train(model, opt, ids: torch.Tensor, *, seq: int, batch: int, every: int, n: int) -> list[dict]:
+    """n checkpoints ``every`` steps apart of a causal LM trained on windows of ``ids`` (fixed seed)."""
     g = torch.Generator().manual_seed(1)
     states = []
     for step in range(1, n * every + 1):
-        starts = torch.randint(0, text.numel() - 64, (8,), generator=g)
-        batch = torch.stack([text[s:s + 64] for s in starts.tolist()])
-        loss = model(input_ids=batch, labels=batch).loss
+        starts = torch.randint(0, ids.numel() - seq, (batch,), generator=g)
+        x = torch.stack([ids[s:s + seq] for s in starts.tolist()])
+        loss = model(input_ids=x, labels=x).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -105,18 +110,7 @@ def gpt2_states(steps: int) -> list[dict]:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    g = torch.Generator().manual_seed(1)
-    states = []
-    for step in range(1, 2 * steps + 1):
-        starts = torch.randint(0, ids.numel() - 128, (2,), generator=g)
-        batch = torch.stack([ids[s:s + 128] for s in starts.tolist()])
-        loss = model(input_ids=batch, labels=batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if step % steps == 0:
-            states.append({"model": {k: v.clone() for k, v in model.state_dict().items()},
-                           "optimizer": copy.deepcopy(opt.state_dict())})
+    states = train(model, opt, ids, seq=128, batch=2, every=steps, n=2)
     del model, opt
     gc.collect()
     return states
@@ -134,8 +128,10 @@ def raw_bytes(state: dict) -> bytes:
     return b"".join(tensor_to_bytes(t) for t in flatten_state(state).tensors.values())
 
 
-def measure(states: list[dict], methods: list[str], reps: int) -> dict:
-    """Per method and rep: encode / save / decode / restore seconds (thread CPU), and zstd-3's."""
+def measure(states: list[dict], methods: list[str], reps: int, *, chain: bool = True) -> dict:
+    """Per method and rep: encode / decode (and with ``chain``: save / restore) seconds (thread
+    CPU), and zstd-3's on the same bytes. Checkpoint bytes are built one at a time and dropped:
+    at 124M parameters a copy of every checkpoint would not fit beside the methods' own."""
     import fsspec
     import zstandard
 
@@ -143,45 +139,64 @@ def measure(states: list[dict], methods: list[str], reps: int) -> dict:
     from ckptzip.methods.base import DecodeContext, EncodeContext, get_method
     from ckptzip.state import flatten_state
 
-    raws = [raw_bytes(s) for s in states]
     cz, dz = zstandard.ZstdCompressor(level=ZSTD_LEVEL), zstandard.ZstdDecompressor()
-    frames = [cz.compress(r) for r in raws]
-    out = {"raw_bytes": sum(len(r) for r in raws), "zstd_bytes": sum(len(f) for f in frames), "methods": {}}
+    out = {"raw_bytes": 0, "zstd_bytes": 0, "methods": {}}
 
     def timed(fn):
         t = time.thread_time()
         res = fn()
         return time.thread_time() - t, res
 
-    def codec(method):
-        m, ref, encs = get_method(method), None, []
+    def zstd():  # (compress s, decompress s) over every checkpoint
+        tc = td = 0.0
+        out["raw_bytes"] = out["zstd_bytes"] = 0
+        for s in states:
+            raw = raw_bytes(s)
+            c, frame = timed(lambda: cz.compress(raw))
+            d, _ = timed(lambda: dz.decompress(frame))
+            tc, td = tc + c, td + d
+            out["raw_bytes"] += len(raw)
+            out["zstd_bytes"] += len(frame)
+            del raw, frame
+        return tc, td
+
+    def codec(method):  # (encode s, decode s, stored bytes): each file decoded right after it is encoded
+        enc_m, dec_m = get_method(method), get_method(method)
+        te = td = 0.0
+        stored, eref, dref = 0, None, None
         for i, s in enumerate(states):
+            t = time.thread_time()
             flat = flatten_state(s)
-            enc, ref = m.encode(flat, ref, ctx=EncodeContext(step=i + 1))
-            encs.append((flat.records, enc))
-        return m, encs
+            enc, eref = enc_m.encode(flat, eref, ctx=EncodeContext(step=i + 1))
+            te += time.thread_time() - t
+            t = time.thread_time()
+            _, dref = dec_m.decode(flat.records, enc, dref, ctx=DecodeContext(step=i + 1, device="cpu"))
+            td += time.thread_time() - t
+            stored += sum(len(b) for b in enc.blobs.values())
+            del enc, flat
+        return te, td, stored
 
-    def decode(m, encs):
-        ref = None
-        for i, (records, enc) in enumerate(encs):
-            _, ref = m.decode(records, enc, ref, ctx=DecodeContext(step=i + 1, device="cpu"))
-
+    phases = ("encode", "decode", "zsave", "zload") + (("save", "restore") if chain else ())
     for method in methods:
-        rows = {k: [] for k in ("encode", "save", "decode", "restore", "zsave", "zload")}
+        rows = {k: [] for k in phases}
         for rep in range(reps + 1):  # rep 0 warms up (numba compiles, caches)
-            zs, _ = timed(lambda: [cz.compress(r) for r in raws])
-            te, (m, encs) = timed(lambda: codec(method))
-            td, _ = timed(lambda: decode(m, encs))
-            url = f"memory://speed-{method}-{rep}-{os.getpid()}"
-            chain = CheckpointChain(url, method)
-            ts, _ = timed(lambda: [chain.save(s, i + 1) for i, s in enumerate(states)])
-            zl, _ = timed(lambda: [dz.decompress(f) for f in frames])
-            tl, _ = timed(lambda: CheckpointChain(url, method).load(len(states)))
-            rows["stored"] = sum(e.nbytes for e in chain.entries())
-            fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+            zs, zl = zstd()
+            te, td, rows["stored"] = codec(method)
+            gc.collect()
+            ts = tl = 0.0
+            if chain:
+                url = f"memory://speed-{method}-{rep}-{os.getpid()}"
+                ch = CheckpointChain(url, method)
+                ts, _ = timed(lambda: [ch.save(s, i + 1) for i, s in enumerate(states)])
+                tl, _ = timed(lambda: CheckpointChain(url, method).load(len(states)))
+                rows["stored"] = sum(e.nbytes for e in ch.entries())
+                fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+                del ch
+                gc.collect()
             if rep:
-                for k, v in zip(("encode", "save", "decode", "restore", "zsave", "zload"), (te, ts, td, tl, zs, zl)):
-                    rows[k].append(v)
+                for k, v in zip(("encode", "decode", "zsave", "zload", "save", "restore"), (te, td, zs, zl, ts, tl)):
+                    if k in rows:
+                        rows[k].append(v)
         out["methods"][method] = rows
     return out
 
@@ -190,7 +205,8 @@ def child(args) -> None:
     """--child: build a workload's states and measure them with the ckptzip on PYTHONPATH; JSON out."""
     torch.set_num_threads(args.threads)
     states = small_states(args.small_n, args.small_every) if args.child == "small" else gpt2_states(args.big_steps)
-    res = measure(states, args.methods.split(","), args.reps if args.child == "small" else 1)
+    small = args.child == "small"
+    res = measure(states, args.methods.split(","), args.reps if small else 1, chain=small)
     res["params"] = n_params(states[0])
     print("JSON" + json.dumps(res))
 
@@ -233,16 +249,17 @@ def table(title: str, res: dict, old: dict | None, n_ckpt: int) -> None:
     params = res["params"]
     rows = []
     for m, r in res["methods"].items():
-        for phase, z in (("encode", "zsave"), ("save", "zsave"), ("decode", "zload"), ("restore", "zload")):
+        phases = [(p, z) for p, z in (("encode", "zsave"), ("save", "zsave"), ("decode", "zload"),
+                                      ("restore", "zload")) if p in r]
+        for phase, z in phases:
             x = ratio(r[phase], r[z])
             row = [m, phase, fmt(x), f"{1e6 * statistics.median(r[phase]) / (n_ckpt * params):.3f}"]
             if old is not None and m in old["methods"]:
                 ox = ratio(old["methods"][m][phase], old["methods"][m][z])[0]
                 row += [f"{ox:.2f}", f"{x[0] / ox:.2f}"]
             rows.append(row)
-        rows[-1].insert(2, f"{res['raw_bytes'] / r['stored']:.2f}")
-        for row in rows[-4:-1]:
-            row.insert(2, "")
+        for j, row in enumerate(rows[-len(phases):]):
+            row.insert(2, f"{res['raw_bytes'] / r['stored']:.2f}" if j == 0 else "")
     first = res["methods"][next(iter(res["methods"]))]
     for phase, z in (("compress", "zsave"), ("decompress", "zload")):
         rows.append(["zstd-3 of the raw bytes", phase, f"{res['raw_bytes'] / res['zstd_bytes']:.2f}", "1",
@@ -253,7 +270,7 @@ def table(title: str, res: dict, old: dict | None, n_ckpt: int) -> None:
     print(f"\n### {title}\n")
     print(md_table(head, rows))
     print("\nencode = flatten + method.encode; save = CheckpointChain.save to memory:// (adds the container, "
-          "its SHA-256 per blob, the index); decode / restore likewise.")
+          "its SHA-256 per blob, the index); decode / restore likewise. ratio: raw bytes / stored bytes.")
 
 
 MEMORY_CHILD = r"""
