@@ -128,7 +128,7 @@ def raw_bytes(state: dict) -> bytes:
     return b"".join(tensor_to_bytes(t) for t in flatten_state(state).tensors.values())
 
 
-def measure(states: list[dict], methods: list[str], reps: int, *, chain: bool = True) -> dict:
+def measure(states: list[dict], methods: list[str], reps: int, *, chain: bool = True, warmup: bool = True) -> dict:
     """Per method and rep: encode / decode (and with ``chain``: save / restore) seconds (thread
     CPU), and zstd-3's on the same bytes. Checkpoint bytes are built one at a time and dropped:
     at 124M parameters a copy of every checkpoint would not fit beside the methods' own."""
@@ -179,7 +179,7 @@ def measure(states: list[dict], methods: list[str], reps: int, *, chain: bool = 
     phases = ("encode", "decode", "zsave", "zload") + (("save", "restore") if chain else ())
     for method in methods:
         rows = {k: [] for k in phases}
-        for rep in range(reps + 1):  # rep 0 warms up (numba compiles, caches)
+        for rep in range(0 if warmup else 1, reps + 1):  # rep 0 warms up (numba compiles, caches)
             zs, zl = zstd()
             te, td, rows["stored"] = codec(method)
             gc.collect()
@@ -206,7 +206,7 @@ def child(args) -> None:
     torch.set_num_threads(args.threads)
     states = small_states(args.small_n, args.small_every) if args.child == "small" else gpt2_states(args.big_steps)
     small = args.child == "small"
-    res = measure(states, args.methods.split(","), args.reps if small else 1, chain=small)
+    res = measure(states, args.methods.split(","), args.reps if small else 1, chain=small, warmup=small)
     res["params"] = n_params(states[0])
     print("JSON" + json.dumps(res))
 

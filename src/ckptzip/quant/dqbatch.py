@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, NonFiniteError
-from ..parallel import thread_map
 from ..logbuckets import HAVE_NUMBA, lookup_table, segment_histograms
+from ..parallel import thread_map
 from ..sketch import LogSketch
 from ..tensorbytes import dtype_name
 from . import dynaquant as dq
@@ -40,12 +40,12 @@ from .base import QuantizedTensor
 from .dqkernels import assign_kernel, partition_hist_kernel
 from .levels import from_domain, histogram_centers, level_bounds
 
-__all__ = ["quantize_tensors", "CHUNK"]
+__all__ = ["quantize_tensors", "fast_path", "Sketched", "Chunk", "row_quantiles", "CHUNK"]
 
 CHUNK = 1 << 22  # elements per packed chunk: bounds the extra float32 copy, and the unit of threading
 
 
-class _Chunk:
+class Chunk:
     """Consecutive quantizable tensors packed into one float32 buffer (or one large tensor's view)."""
 
     def __init__(self, names: list[str], flats: list[torch.Tensor], grads: list[torch.Tensor | None]):
@@ -66,7 +66,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).to(torch.float32).contiguous()
 
 
-def _pack(order: list[str], tensors: Mapping, grads_of: dict[str, torch.Tensor | None]) -> list[_Chunk]:
+def _pack(order: list[str], tensors: Mapping, grads_of: dict[str, torch.Tensor | None]) -> list[Chunk]:
     chunks, cur, size = [], [], 0
     for name in order:
         n = tensors[name].numel()
@@ -77,7 +77,7 @@ def _pack(order: list[str], tensors: Mapping, grads_of: dict[str, torch.Tensor |
         size += n
     if cur:
         chunks.append(cur)
-    return [_Chunk(c, [_f32(tensors[n]) for n in c],
+    return [Chunk(c, [_f32(tensors[n]) for n in c],
                    [None if grads_of.get(n) is None else _f32(grads_of[n]) for n in c]) for c in chunks]
 
 
@@ -135,7 +135,7 @@ class Sketched:
         """The sketch pass (once): name -> (|x| row, |x g| row or None, signed row), histogram rows
         (ords, counts) of LogSketch(alpha); checks inf/NaN."""
         if self._rows is None:
-            def sketch(c: _Chunk):
+            def sketch(c: Chunk):
                 signed, mag = segment_histograms(c.x, c.offsets, alpha=self.alpha, names=c.names,
                                                  kinds=("signed", "abs"))
                 sens = None
@@ -169,7 +169,7 @@ class Sketched:
             plans[lt] = dq.layer_type_plan(lt, numel, mag_sk, sens_sk, cfg)
             if cap_q is not None and lt != "embedding":
                 use_sens = cfg.prune_metric == "sensitivity" and not self.fallback[lt]
-                caps = _row_quantiles([rows[n][1 if use_sens else 0] for n in items], cap_q, cfg.alpha)
+                caps = row_quantiles([rows[n][1 if use_sens else 0] for n in items], cap_q, cfg.alpha)
                 tensor_prune.update(zip(items, caps))
         plan = dq.DynaQuantPlan(cfg, plans, dict(self.layer_of), tuple(self.skipped), self.grads, tensor_prune)
         if cfg.center_scope == "layer_type":
@@ -187,7 +187,7 @@ class Sketched:
         centers = self._centers(plan, hist, n_pruned, n_prot)
         params = {n: _partition_params(n, plan) for n in self.order}
 
-        def assign(c: _Chunk):
+        def assign(c: Chunk):
             ks = [int(centers[n].numel()) for n in c.names]
             return _assign(c, [params[n] for n in c.names],
                            [level_bounds(centers[n], cfg.domain) for n in c.names], ks, [n_prot[n] for n in c.names])
@@ -207,7 +207,7 @@ class Sketched:
         """Partition pass: each tensor's quantized-value histogram, pruned and protected counts."""
         params = {n: _partition_params(n, plan) for n in self.order}
 
-        def partition(c: _Chunk):
+        def partition(c: Chunk):
             return _partition_hist(c, [params[n] for n in c.names], plan.config.alpha)
 
         hist, n_pruned, n_prot = {}, {}, {}
@@ -264,7 +264,7 @@ def _merged(rows, alpha: float) -> LogSketch:
     return LogSketch.from_counts(torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]), alpha)
 
 
-def _row_quantiles(rows, q: float, alpha: float) -> list[float]:
+def row_quantiles(rows, q: float, alpha: float) -> list[float]:
     """``LogSketch.quantile(q)`` of every row at once (same ranks, same searchsorted)."""
     ords = torch.cat([r[0] for r in rows])
     counts = torch.cat([r[1] for r in rows])
@@ -301,13 +301,13 @@ def _param_arrays(params):
             np.array(p[3], np.float32), np.array(p[4], np.bool_))
 
 
-def _views(c: _Chunk):
+def _views(c: Chunk):
     x = c.x.numpy()
     g = c.g.numpy() if c.g is not None else np.zeros(0, np.float32)
     return x.view(np.int32), x, g
 
 
-def _partition_hist(c: _Chunk, params, alpha: float):
+def _partition_hist(c: Chunk, params, alpha: float):
     t = lookup_table(float(alpha), 1e-30)
     M = int(t.key.max())
     bits, x, g = _views(c)
@@ -324,7 +324,7 @@ def _partition_hist(c: _Chunk, params, alpha: float):
     return (torch.from_numpy(ords[:n]), torch.from_numpy(counts[:n]), torch.from_numpy(ptr)), n_pruned, n_prot
 
 
-def _assign(c: _Chunk, params, bounds, ks, n_prot):
+def _assign(c: Chunk, params, bounds, ks, n_prot):
     _, x, g = _views(c)
     T = len(c.names)
     kb = max([b.numel() for b in bounds] + [1])

@@ -32,7 +32,7 @@ import torch
 from ..logbuckets import HAVE_NUMBA, lookup_table
 from ..sketch import LogSketch
 from . import dynaquant as dq
-from .dqbatch import Sketched, _Chunk, _row_quantiles
+from .dqbatch import Sketched, Chunk, row_quantiles
 from .levels import histogram_centers, level_bounds
 
 if HAVE_NUMBA:
@@ -127,7 +127,7 @@ class SearchSketch:
             ltp = dq.layer_type_plan(lt, 0, mag, None, cfg)
             caps = [math.inf] * len(items)
             if cap_q is not None and lt != "embedding":
-                caps = _row_quantiles([rows[n][0] for n in items], cap_q, cfg.alpha)
+                caps = row_quantiles([rows[n][0] for n in items], cap_q, cfg.alpha)
             for n, cap in zip(items, caps):
                 i = index[n]
                 if ltp.prune_threshold is not None:
@@ -197,7 +197,7 @@ def joint_counts(sk: Sketched, signed_rows: Mapping[str, tuple], reference: Mapp
     return j[0], j[1], j[2], j[3]
 
 
-def _chunk_refs(c: _Chunk, signed_rows, reference, index):
+def _chunk_refs(c: Chunk, signed_rows, reference, index):
     """Per segment of a chunk: packed previous codes (-1: none), row index, lowest ordinal, and the
     ordinal -> bucket index map of its row."""
     prev = np.full(c.x.numel(), -1, dtype=np.int32)
