@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import (ChainBusyError, CkptzipError, CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError,
+from .errors import (ChainBusyError, CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError,
                      StorageError, WriteConflictError)
 from .format import decode_container, encode_container, sha256
 from .index import INDEX, Entry, Index, checkpoint_file, dumps, parse, replay_path
@@ -142,43 +142,43 @@ class CheckpointChain:
         """Encode and commit one checkpoint. Returns its index entry."""
         step = int(step)
         flat = state if isinstance(state, FlatState) else flatten_state(state, model, optimizer)
-        base, record = self._claim()
-        entries = base.entries
-        if entries and step <= entries[-1].step:
-            raise ValueError(f"step {step} is not after the chain's latest step {entries[-1].step}; "
-                             "save increasing steps (or start a new chain, or truncate this one)")
-        ctx = ctx or EncodeContext(step=step, model=model)
-        if ctx.step != step:
-            ctx = dataclasses.replace(ctx, step=step)
-        if base.version != self._ref_version:
-            self.forget_reference()  # another writer (or chain object) committed since: rebuild it
-        fname = None
-        try:
-            ref = self._writer_reference(entries)
-            if ctx.force_keyframe or self._keyframe_due(entries, ref):
-                ref = None
-            t0 = time.perf_counter()
-            enc, new_ref = self.method.encode(flat, ref, ctx=ctx)
-            missing = set(flat.records) - set(enc.records)
-            if missing:
-                raise RuntimeError(f"method {self.method.name} left records unencoded: {sorted(missing)[:5]}")
-            parent = None if enc.keyframe else ref.step
-            manifest = self._manifest(flat, enc, step, parent)
-            data = encode_container(manifest, enc.blobs)
-            with self._saving(step, entries):
+        failure = _StorageContext(f"saving step {step} to {self.url} failed")
+        with failure:  # a StorageError says what it interrupted and what stays loadable
+            base, record = self._claim()
+            entries = failure.entries = base.entries
+            if entries and step <= entries[-1].step:
+                raise ValueError(f"step {step} is not after the chain's latest step {entries[-1].step}; "
+                                 "save increasing steps (or start a new chain, or truncate this one)")
+            ctx = ctx or EncodeContext(step=step, model=model)
+            if ctx.step != step:
+                ctx = dataclasses.replace(ctx, step=step)
+            if base.version != self._ref_version:
+                self.forget_reference()  # another writer (or chain object) committed since: rebuild it
+            fname = None
+            try:
+                ref = self._writer_reference(entries)
+                if ctx.force_keyframe or self._keyframe_due(entries, ref):
+                    ref = None
+                t0 = time.perf_counter()
+                enc, new_ref = self.method.encode(flat, ref, ctx=ctx)
+                missing = set(flat.records) - set(enc.records)
+                if missing:
+                    raise RuntimeError(f"method {self.method.name} left records unencoded: {sorted(missing)[:5]}")
+                parent = None if enc.keyframe else ref.step
+                manifest = self._manifest(flat, enc, step, parent)
+                data = encode_container(manifest, enc.blobs)
                 self.storage.makedirs()
                 fname = self._create_file(step, data)
-            entry = Entry(step=step, file=fname, parent=parent, keyframe=enc.keyframe, method=self.method.descriptor,
-                          nbytes=len(data), raw_bytes=manifest["raw_bytes"], sha256=sha256(data),
-                          created_unix=time.time(), bytes_by_role=_bytes_by_role(flat, enc),
-                          summary={**enc.meta.get("summary", {}), "encode_s": round(time.perf_counter() - t0, 4)})
-            keep, drop = retention_split(self.retention, entries + [entry], self.url)
-            with self._saving(step, entries):
+                entry = Entry(step=step, file=fname, parent=parent, keyframe=enc.keyframe, method=self.method.descriptor,
+                              nbytes=len(data), raw_bytes=manifest["raw_bytes"], sha256=sha256(data),
+                              created_unix=time.time(), bytes_by_role=_bytes_by_role(flat, enc),
+                              summary={**enc.meta.get("summary", {}), "encode_s": round(time.perf_counter() - t0, 4)})
+                keep, drop = retention_split(self.retention, entries + [entry], self.url)
                 self._commit(keep, base, record, f"saving step {step}")
-        except BaseException as e:
-            self.forget_reference()  # the method may have moved on: the next save rebuilds from storage
-            if fname is None or not self._settle_failed_commit(e, fname, step):
-                raise
+            except BaseException as e:
+                self.forget_reference()  # the method may have moved on: the next save rebuilds from storage
+                if fname is None or not self._settle_failed_commit(e, fname):
+                    raise
         self._ref, self._ref_version = new_ref, self._index.version
         self._sweep(drop)
         return entry
@@ -192,24 +192,21 @@ class CheckpointChain:
             self.storage.create(name, data)
         return name
 
-    def _settle_failed_commit(self, err: BaseException, fname: str, step: int) -> bool:
-        """After a failed commit: True if it landed after all (a lost answer), else delete our file."""
-        committed = None if not isinstance(err, ChainBusyError) else False
-        if committed is None:
+    def _settle_failed_commit(self, err: BaseException, fname: str) -> bool:
+        """After a failed save: True if its commit landed after all (a lost answer), else delete its file."""
+        if not isinstance(err, ChainBusyError):  # a lost race is certain; anything else may have landed
             try:
-                committed = any(e.file == fname for e in self._load_index().entries)
+                index = self._load_index()
             except Exception:
                 return False  # unknown: keep the file (committed, or an orphan for gc)
-        if committed:
-            return True
+            if any(e.file == fname for e in index.entries):
+                self._lease.held(index.owner)
+                return True
         try:
             self.storage.delete(fname)  # created by this save, named by no index
         except Exception:
             pass  # an orphan: gc removes it
         return False
-
-    def _saving(self, step: int, entries: list[Entry]):
-        return _StorageContext(f"saving step {step} to {self.url} failed", entries)
 
     def _sweep(self, drop: list[Entry]) -> None:
         """Delete files the committed index no longer names; a failure leaves orphans, not damage."""
@@ -322,8 +319,8 @@ class CheckpointChain:
         for attempt in range(READ_ATTEMPTS):
             try:
                 base = self._load_index()
-            except CkptzipError as e:
-                return [Problem(str(e), file=self.storage.path(INDEX))]
+            except CorruptCheckpointError as e:  # a storage fault is raised: it says nothing of the chain
+                return [Problem(str(e).removeprefix(self.storage.path(INDEX) + ": "), file=self.storage.path(INDEX))]
             problems = verify_chain(self, base.entries, deep=deep, progress=progress)
             if not problems or attempt + 1 == READ_ATTEMPTS or not self._moved(base):
                 return problems
@@ -404,16 +401,16 @@ class CheckpointChain:
 class _StorageContext:
     """Re-raise a StorageError with what it interrupted and what stays loadable (one line)."""
 
-    def __init__(self, what: str, entries: list[Entry]):
-        self.what, self.entries = what, entries
+    def __init__(self, what: str):
+        self.what, self.entries = what, None
 
     def __enter__(self):
         return self
 
     def __exit__(self, typ, err, tb):
         if isinstance(err, StorageError):
-            kept = f"step {self.entries[-1].step} stays loadable" if self.entries else "it holds nothing yet"
-            raise type(err)(f"{self.what}: {err}; the chain is unchanged ({kept})", errno=err.errno) from err
+            kept = f" (step {self.entries[-1].step} stays loadable)" if self.entries else ""
+            raise type(err)(f"{self.what}: {err}; the chain is unchanged{kept}", errno=err.errno) from err
         return False
 
 

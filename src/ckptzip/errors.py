@@ -54,6 +54,13 @@ class AgentError(CkptzipError, RuntimeError):
         self.step, self.exc_type, self.errno, self.agent_traceback = step, exc_type, errno, agent_traceback
 
 
+class StateMismatchError(CkptzipError, RuntimeError):
+    """A checkpoint does not fit the model or optimizer it is restored into (names, shapes, dtypes).
+
+    A RuntimeError, as ``load_state_dict`` raises for the same fault; raised before anything loads.
+    """
+
+
 class ChainBusyError(CkptzipError, BlockingIOError):
     """Another writer owns the chain, or took it over from this one: one writer per chain at a time.
 

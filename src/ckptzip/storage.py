@@ -225,6 +225,7 @@ class _LocalBackend(_FsspecBackend):
         _fsync_dir(os.path.dirname(path))
 
     def write_if(self, path: str, data: bytes, version: str | None) -> str:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(os.path.dirname(path), os.O_RDONLY)
         try:
             _flock(fd)  # readers do not lock: they see the old or the new file, renamed whole

@@ -1,0 +1,116 @@
+"""A failing fsspec filesystem: wraps a real one (local or memory) and fails the Nth call.
+
+Used by tests/test_storage_faults.py, tests/test_chain_faults.py and bench/faults.py::
+
+    plan = FaultPlan()                                  # counts calls, fails none
+    chain = CheckpointChain("faulty:///ckz/run", storage_options={"target_protocol": "memory", "plan": plan})
+    plan.arm(at=3, error=TimeoutError("read timed out"), when="before", times=1)
+
+``when``: "before" (the call does not happen), "after" (it happens, then the answer is lost: the
+classic object-store fault), "kill" (SIGKILL of this process at that call, for crash tests).
+``times``: how many consecutive calls fail from ``at`` on (1: a transient blip; a large number:
+until ``plan.clear()``, e.g. a full disk).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import threading
+
+import fsspec
+from fsspec import AbstractFileSystem
+
+TRANSIENT = {
+    "timeout": lambda: TimeoutError("read timed out"),
+    "reset": lambda: ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
+    "throttle": lambda: OSError(errno.EBUSY, "SlowDown: Please reduce your request rate"),
+}
+PERMANENT = {
+    "full": lambda: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+    "read-only": lambda: OSError(errno.EROFS, os.strerror(errno.EROFS)),
+    "denied": lambda: PermissionError(errno.EACCES, os.strerror(errno.EACCES)),
+}
+
+
+class FaultPlan:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.calls: list[tuple[str, str]] = []
+        self.failed: list[tuple[int, str, str]] = []
+        self.clear()
+
+    def arm(self, at: int, error, *, when: str = "before", times: int = 1, ops: tuple[str, ...] | None = None):
+        """Fail calls ``at`` .. ``at + times - 1`` (counted from now, 1-based; only ``ops`` if given)."""
+        assert when in ("before", "after", "kill")
+        with self.lock:
+            self.calls.clear()
+            self.failed.clear()
+            self.at, self.error, self.when, self.times, self.ops = at, error, when, times, ops
+
+    def clear(self) -> None:
+        with self.lock:
+            self.at, self.error, self.when, self.times, self.ops = None, None, "before", 0, None
+
+    def hit(self, op: str, path: str):
+        """The exception factory for this call, or None."""
+        with self.lock:
+            if self.ops is not None and op not in self.ops:
+                return None
+            self.calls.append((op, path))
+            n = len(self.calls)
+            if self.at is None or not self.at <= n < self.at + self.times:
+                return None
+            self.failed.append((n, op, path))
+            return self.error
+
+
+class FaultyFileSystem(AbstractFileSystem):
+    protocol = "faulty"
+    cachable = False  # every chain gets the plan it was given
+
+    def __init__(self, target_protocol: str = "memory", plan: FaultPlan | None = None,
+                 target_options: dict | None = None, **kwargs):
+        super().__init__(**kwargs)
+        opts = dict(target_options or {})
+        if target_protocol in ("file", "local"):
+            opts.setdefault("auto_mkdir", True)
+        self.target = fsspec.filesystem(target_protocol, **opts)
+        self.plan = plan if plan is not None else FaultPlan()
+
+    def _do(self, op: str, path: str, fn, *args, **kwargs):
+        error = self.plan.hit(op, path)
+        if error is None:
+            return fn(path, *args, **kwargs)
+        if self.plan.when == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.plan.when == "after":
+            fn(path, *args, **kwargs)
+        raise error()
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        return self._do("cat_file", path, self.target.cat_file, start=start, end=end, **kwargs)
+
+    def pipe_file(self, path, value, **kwargs):
+        return self._do("pipe_file", path, self.target.pipe_file, value, **kwargs)
+
+    def exists(self, path, **kwargs):
+        return self._do("exists", path, self.target.exists, **kwargs)
+
+    def info(self, path, **kwargs):
+        return self._do("info", path, self.target.info, **kwargs)
+
+    def size(self, path):
+        return self._do("size", path, self.target.size)
+
+    def ls(self, path, detail=True, **kwargs):
+        return self._do("ls", path, self.target.ls, detail=detail, **kwargs)
+
+    def rm_file(self, path):
+        return self._do("rm_file", path, self.target.rm_file)
+
+    def makedirs(self, path, exist_ok=False):
+        return self._do("makedirs", path, self.target.makedirs, exist_ok=exist_ok)
+
+
+fsspec.register_implementation("faulty", FaultyFileSystem, clobber=True)
