@@ -1,6 +1,6 @@
 """A failing fsspec filesystem: wraps a real one (local or memory) and fails the Nth call.
 
-Used by tests/test_storage_faults.py, tests/test_chain_faults.py and bench/faults.py::
+Used by tests/test_storage_faults.py, tests/test_storage_s3.py and bench/faults.py::
 
     plan = FaultPlan()                                  # counts calls, fails none
     chain = CheckpointChain("faulty:///ckz/run", storage_options={"target_protocol": "memory", "plan": plan})
@@ -10,6 +10,10 @@ Used by tests/test_storage_faults.py, tests/test_chain_faults.py and bench/fault
 classic object-store fault), "kill" (SIGKILL of this process at that call, for crash tests).
 ``times``: how many consecutive calls fail from ``at`` on (1: a transient blip; a large number:
 until ``plan.clear()``, e.g. a full disk).
+
+The harness below runs an operation with a fault at its 1st call, then its 2nd, ... on a fresh
+chain location each time (:func:`every_call`), and checks what a reader then finds
+(:meth:`Location.check`); it drives this filesystem and the faulty S3 server (s3faults.py) alike.
 """
 from __future__ import annotations
 
@@ -19,7 +23,15 @@ import signal
 import threading
 
 import fsspec
+import torch
 from fsspec import AbstractFileSystem
+
+from ckptzip.chain import CheckpointChain, KeyframePolicy, RetentionPolicy
+from ckptzip.methods.lossless import LosslessMethod
+from ckptzip.retry import RetryPolicy
+from helpers import assert_same
+
+FAST = RetryPolicy(first_delay_s=0.0)  # tests retry without waiting
 
 TRANSIENT = {
     "timeout": lambda: TimeoutError("read timed out"),
@@ -114,3 +126,82 @@ class FaultyFileSystem(AbstractFileSystem):
 
 
 fsspec.register_implementation("faulty", FaultyFileSystem, clobber=True)
+
+
+# --- the harness --------------------------------------------------------------------------------
+
+def states(n, start=1):
+    """``n`` small training-like states (weights drifting by small steps), as (step, state)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, generator=g)
+    out = []
+    for i in range(n):
+        w = w - 1e-2 * torch.randn(300, generator=g)
+        out.append((start + i, {"model": {"w": w.clone(), "b": w[:7].clone()}, "step": start + i}))
+    return out
+
+
+class Location:
+    """One chain location (on a faulty filesystem or S3 server), and the states saved into it."""
+
+    def __init__(self, url: str, opts: dict):
+        self.url, self.opts, self.saved = url, opts, {}
+
+    def make(self, **kw) -> CheckpointChain:
+        kw.setdefault("keyframe", KeyframePolicy(every=2))
+        kw.setdefault("retention", RetentionPolicy(keep_last=2))
+        kw.setdefault("retry", FAST)
+        return CheckpointChain(self.url, "lossless", storage_options=self.opts, **kw)
+
+    def save(self, step: int, state: dict, chain: CheckpointChain | None = None):
+        e = (chain or self.make()).save(state, step=step)
+        self.saved[step] = state
+        return e
+
+    def seed(self, seq) -> "Location":
+        chain = self.make()
+        for step, state in seq:
+            self.save(step, state, chain)
+        return self
+
+    def check(self) -> list[int]:
+        """A fresh reader: verifies clean, the newest saved step is committed, the last two load exactly."""
+        reader = self.make()
+        assert reader.verify() == []
+        steps = reader.steps()
+        assert steps and set(steps) <= set(self.saved) and steps[-1] == max(self.saved), (steps, sorted(self.saved))
+        for s in steps[-2:]:
+            assert_same(self.saved[s], reader.load(s))
+        return steps
+
+
+def every_call(plan, new, op, arm):
+    """``op(location)`` on a new location with a fault at its 1st call, then its 2nd, ... until it
+    makes fewer calls than that; yields (location, result, whether the fault happened)."""
+    at = 0
+    while True:
+        at += 1
+        loc = new()
+        arm(at)
+        try:
+            result = op(loc)
+            hit = bool(plan.failed)
+        finally:
+            plan.clear()
+        yield loc, result, hit
+        if not hit:
+            return
+
+
+class HookedLossless(LosslessMethod):
+    """Lossless, running ``hook`` once in the middle of its encode: between a save's read of the
+    index and its commit, where another writer's commit makes the two race."""
+
+    name = "lossless"
+    hook = None
+
+    def encode(self, state, reference, *, ctx):
+        if self.hook is not None:
+            hook, self.hook = self.hook, None
+            hook()
+        return super().encode(state, reference, ctx=ctx)

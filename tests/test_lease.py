@@ -23,7 +23,7 @@ import torch
 from ckptzip.chain import INDEX, CheckpointChain
 from ckptzip.errors import ChainBusyError
 from ckptzip.lease import Lease, alive, this_process
-from ckptzip.methods.lossless import LosslessMethod
+from faultfs import HookedLossless
 from helpers import assert_same
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -107,19 +107,6 @@ def test_two_training_processes_on_one_chain(tmp_path, digits_file):
 
 def tiny(step):
     return {"model": {"w": torch.full((64,), float(step))}, "step": step}
-
-
-class HookedLossless(LosslessMethod):
-    """Lossless, running ``hook`` in the middle of its encode (between a save's read and its commit)."""
-
-    name = "lossless"
-    hook = None
-
-    def encode(self, state, reference, *, ctx):
-        if self.hook is not None:
-            hook, self.hook = self.hook, None
-            hook()
-        return super().encode(state, reference, ctx=ctx)
 
 
 def test_a_commit_racing_another_loses_cleanly(tmp_path):

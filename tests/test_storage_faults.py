@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import faultfs
+from faultfs import every_call, states
 from ckptzip.chain import CheckpointChain, KeyframePolicy, RetentionPolicy
 from ckptzip.errors import (StorageError, StorageFullError, StorageReadOnlyError, StorageUnavailableError,
                             WriteConflictError)
@@ -25,45 +26,7 @@ from ckptzip.retry import RetryPolicy, call, transient
 from ckptzip.storage import Storage
 from helpers import assert_same
 
-FAST = RetryPolicy(first_delay_s=0.0)
-
-
-def states(n, start=1):
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(300, generator=g)
-    out = []
-    for i in range(n):
-        w = w - 1e-2 * torch.randn(300, generator=g)
-        out.append((start + i, {"model": {"w": w.clone(), "b": w[:7].clone()}, "step": start + i}))
-    return out
-
-
-class Location:
-    """One chain location on the faulty filesystem, and the states saved into it."""
-
-    def __init__(self, url: str, opts: dict):
-        self.url, self.opts, self.saved = url, opts, {}
-
-    def make(self, **kw) -> CheckpointChain:
-        kw.setdefault("keyframe", KeyframePolicy(every=2))
-        kw.setdefault("retention", RetentionPolicy(keep_last=2))
-        kw.setdefault("retry", FAST)
-        return CheckpointChain(self.url, "lossless", storage_options=self.opts, **kw)
-
-    def save(self, step: int, state: dict, chain: CheckpointChain | None = None):
-        e = (chain or self.make()).save(state, step=step)
-        self.saved[step] = state
-        return e
-
-    def check(self) -> list[int]:
-        """A fresh reader: verifies clean, the newest saved step is committed, the last two load exactly."""
-        reader = self.make()
-        assert reader.verify() == []
-        steps = reader.steps()
-        assert steps and set(steps) <= set(self.saved) and steps[-1] == max(self.saved), (steps, sorted(self.saved))
-        for s in steps[-2:]:
-            assert_same(self.saved[s], reader.load(s))
-        return steps
+FAST = faultfs.FAST
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -75,11 +38,8 @@ def faulty(request, tmp_path):
     opts = {"target_protocol": request.param, "plan": plan}
     seq = states(3)
 
-    def new() -> Location:
-        loc = Location(f"faulty://{base}/{uuid.uuid4().hex[:8]}", opts)
-        for step, st in seq:
-            loc.save(step, st)
-        return loc
+    def new() -> faultfs.Location:
+        return faultfs.Location(f"faulty://{base}/{uuid.uuid4().hex[:8]}", opts).seed(seq)
     yield new, plan
     plan.clear()
     fs = faultfs.fsspec.filesystem("memory")
@@ -136,24 +96,6 @@ def test_conditional_writes_on_local_and_memory(tmp_path):
             st.create("c", b"y")
         assert st.read("c") == b"x"
         assert sorted(st.list()) == ["c", "doc"]  # no temporary leftovers
-
-
-def every_call(plan, new, op, arm):
-    """``op(location)`` on a new location with a fault at its 1st call, then its 2nd, ... until it
-    makes fewer calls than that; yields (location, result, whether the fault happened)."""
-    at = 0
-    while True:
-        at += 1
-        loc = new()
-        arm(at)
-        try:
-            result = op(loc)
-            hit = bool(plan.failed)
-        finally:
-            plan.clear()
-        yield loc, result, hit
-        if not hit:
-            return
 
 
 NEXT = states(1, start=4)[0][1]

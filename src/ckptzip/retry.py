@@ -129,7 +129,7 @@ def call(policy: RetryPolicy, what: str, where: str, fn: Callable[..., T], *args
             wait = policy.delay_s(k)
             if k + 1 >= policy.attempts or spent + wait > policy.budget_s:
                 raise StorageUnavailableError(
-                    f"{where}: {what} failed {k + 1} times over {spent:.1f} s ({_reason(e)}); the store is "
+                    f"{where}: {what} failed {k + 1} time{'s' if k else ''} over {spent:.1f} s ({_reason(e)}); the store is "
                     "unavailable or throttling: retry later, or allow more with RetryPolicy(attempts=, budget_s=)",
                     errno=getattr(e, "errno", None)) from e
             if wait:

@@ -13,9 +13,10 @@ meant for other writers of a store (a torch.distributed.checkpoint layer)::
     version = st.write_if(name, data, version)        # compare-and-swap; WriteConflictError if it moved
 
 ``write_if`` is the commit of a writer: it succeeds only if ``name`` still holds what
-``read_versioned`` returned (``version=None``: only if it does not exist). A retried conditional
-write whose first try landed but whose answer was lost is recognised (the stored bytes are ours)
-and counts as a success. How each store does it (``Storage.conditional`` tells whether it is
+``read_versioned`` returned (``version=None``: only if it does not exist). A conditional write that
+landed but lost its answer, and so conflicts with itself when retried, is recognised (the stored
+bytes are the ones written: documents of two writers always differ) and counts as a success.
+``create`` never claims an existing object: a lost answer leaves an orphan, never a shared file. How each store does it (``Storage.conditional`` tells whether it is
 atomic against other processes):
 
 ============  =====================================================  ==========
@@ -98,35 +99,31 @@ class Storage:
         self._call("writing", name, self._backend.write, self.path(name), data)
 
     def create(self, name: str, data: bytes) -> None:
-        """Write a new object; FileExistsError if ``name`` exists (with other bytes than ``data``)."""
-        target, tries = self.path(name), []
+        """Write a new object; FileExistsError if ``name`` exists.
 
-        def attempt():
-            tries.append(1)
-            try:
-                self._backend.create(target, data)
-            except FileExistsError:
-                if len(tries) > 1 and self._backend.read_versioned(target)[0] == data:
-                    return  # our earlier try landed; its answer was lost
-                raise
-        self._call("writing", name, attempt)
+        Also when an earlier try of this very call landed and only its answer was lost (this
+        layer's retry or the store client's own): equal bytes can come from another writer too, so
+        the caller picks another name and the first object is an orphan (``gc``), never shared.
+        """
+        self._call("writing", name, self._backend.create, self.path(name), data)
 
     def write_if(self, name: str, data: bytes, version: str | None) -> str:
         """Replace ``name`` only if it is still at ``version`` (None: only if absent); the new version.
 
         Raises WriteConflictError when another writer changed it since it was read.
         """
-        target, tries = self.path(name), []
+        target = self.path(name)
 
         def attempt():
-            tries.append(1)
             try:
                 return self._backend.write_if(target, data, version)
             except WriteConflictError:
-                if len(tries) > 1:
-                    cur, v = self._backend.read_versioned(target)
-                    if cur == data:
-                        return v  # our earlier try landed; its answer was lost
+                # an earlier try that landed and lost its answer (this layer's retry, or the store
+                # client's own inside one try) conflicts with itself: the stored bytes tell. Two
+                # writers never write equal documents (the owner record differs).
+                cur, v = self._backend.read_versioned(target)
+                if cur == data:
+                    return v
                 raise
         return self._call("committing", name, attempt)
 
@@ -256,6 +253,12 @@ class _S3Backend(_FsspecBackend):
     """s3fs: PUT If-None-Match / If-Match make exclusive create and compare-and-swap atomic."""
 
     conditional = True
+
+    def read(self, path: str) -> bytes:
+        data, _ = self.read_versioned(path)
+        if data is None:
+            raise FileNotFoundError(path)
+        return data
 
     def read_versioned(self, path: str) -> tuple[bytes | None, str | None]:
         from fsspec.asyn import sync
