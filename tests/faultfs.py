@@ -64,17 +64,17 @@ class FaultPlan:
         with self.lock:
             self.at, self.error, self.when, self.times, self.ops = None, None, "before", 0, None
 
-    def hit(self, op: str, path: str):
-        """The exception factory for this call, or None."""
+    def hit(self, op: str, path: str) -> bool:
+        """Whether this call fails."""
         with self.lock:
             if self.ops is not None and op not in self.ops:
-                return None
+                return False
             self.calls.append((op, path))
             n = len(self.calls)
             if self.at is None or not self.at <= n < self.at + self.times:
-                return None
+                return False
             self.failed.append((n, op, path))
-            return self.error
+            return True
 
 
 class FaultyFileSystem(AbstractFileSystem):
@@ -91,14 +91,13 @@ class FaultyFileSystem(AbstractFileSystem):
         self.plan = plan if plan is not None else FaultPlan()
 
     def _do(self, op: str, path: str, fn, *args, **kwargs):
-        error = self.plan.hit(op, path)
-        if error is None:
+        if not self.plan.hit(op, path):
             return fn(path, *args, **kwargs)
         if self.plan.when == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.plan.when == "after":
             fn(path, *args, **kwargs)
-        raise error()
+        raise self.plan.error()
 
     def cat_file(self, path, start=None, end=None, **kwargs):
         return self._do("cat_file", path, self.target.cat_file, start=start, end=end, **kwargs)
