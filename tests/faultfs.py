@@ -52,7 +52,8 @@ class FaultPlan:
         self.failed: list[tuple[int, str, str]] = []
         self.clear()
 
-    def arm(self, at: int, error, *, when: str = "before", times: int = 1, ops: tuple[str, ...] | None = None):
+    def arm(self, at: int | None, error=None, *, when: str = "before", times: int = 1,
+            ops: tuple[str, ...] | None = None):
         """Fail calls ``at`` .. ``at + times - 1`` (counted from now, 1-based; only ``ops`` if given)."""
         assert when in ("before", "after", "kill")
         with self.lock:

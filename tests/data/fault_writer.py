@@ -3,9 +3,11 @@ child per command, so each trial costs a fork, not an interpreter start.
 
 Run as ``python fault_writer.py``; stdin commands (paths are chain folders):
 
-    save DIR STEP KILL_AT   -> a child saves step STEP into DIR (keyframe every 2, keep_last 2) through
+    save DIR STEP KILL_AT [takeover]
+                            -> a child saves step STEP into DIR (keyframe every 2, keep_last 2) through
                                the failing filesystem (tests/faultfs.py), SIGKILLed at its KILL_AT-th
-                               storage call (0: never); answers "exit STATUS" (9: killed, 0: saved)
+                               storage call (0: never), fencing a live owner with "takeover";
+                               answers "exit STATUS" (9: killed, 0: saved, 1: after an "error" line)
     read DIR SECONDS        -> a child loops restore (latest) + verify on DIR for SECONDS; answers
                                "read ITERATIONS ERRORS FIRST_ERROR..." and then "exit STATUS"
     quit
@@ -32,18 +34,18 @@ def state(step: int) -> dict:
     return {"model": {"w": torch.randn(2000, generator=g)}, "step": step}
 
 
-def writer_chain(folder: str, plan=None) -> CheckpointChain:
+def writer_chain(folder: str, plan=None, **kw) -> CheckpointChain:
     url = f"faulty://{folder}" if plan is not None else folder
     opts = {"target_protocol": "file", "plan": plan} if plan is not None else None
     return CheckpointChain(url, "lossless", keyframe=KeyframePolicy(every=2), retention=RetentionPolicy(keep_last=2),
-                           storage_options=opts)
+                           storage_options=opts, **kw)
 
 
-def save(folder: str, step: int, kill_at: int) -> None:
+def save(folder: str, step: int, kill_at: int, takeover: bool = False) -> None:
     plan = faultfs.FaultPlan()
     if kill_at:
         plan.arm(kill_at, None, when="kill")
-    writer_chain(folder, plan).save(state(step), step=step)
+    writer_chain(folder, plan, takeover=takeover).save(state(step), step=step)
 
 
 def read(folder: str, seconds: float) -> None:
@@ -74,7 +76,7 @@ def main() -> None:
             code = 0
             try:
                 if cmd[0] == "save":
-                    save(cmd[1], int(cmd[2]), int(cmd[3]))
+                    save(cmd[1], int(cmd[2]), int(cmd[3]), "takeover" in cmd[4:])
                 elif cmd[0] == "read":
                     read(cmd[1], float(cmd[2]))
             except BaseException as e:  # report, so a broken child fails the test instead of idling
