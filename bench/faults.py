@@ -55,7 +55,6 @@ from ckptzip.api import Compressor  # noqa: E402
 from ckptzip.chain import CheckpointChain  # noqa: E402
 from ckptzip.demo.workloads import DigitsMLP  # noqa: E402
 from ckptzip.errors import ChainBusyError, StateMismatchError, StorageError  # noqa: E402
-from ckptzip.retry import RetryPolicy  # noqa: E402
 
 SEQ = faultfs.states(3)
 NEXT = faultfs.states(2, start=4)
@@ -113,12 +112,24 @@ def faulty_location(proto, plan, base) -> faultfs.Location:
     return faultfs.Location(f"faulty://{root}", {"target_protocol": proto, "plan": plan}).seed(SEQ)
 
 
-def calls_of(plan, op, loc) -> int:
-    plan.arm(None)
-    op(loc)
-    n = len(plan.calls)
-    plan.clear()
+def calls_of(injector, op: str, loc) -> int:
+    """How many storage calls (requests) ``OPS[op]`` makes on ``loc``; ``injector``: a FaultPlan or server."""
+    injector.arm(None)
+    OPS[op](loc)
+    n = len(injector.calls)
+    injector.clear()
     return n
+
+
+def run_op(injector, op: str, loc) -> tuple[str, str]:
+    """(outcome, one-line message) of ``OPS[op]`` on ``loc`` with a fault armed; the fault cleared after."""
+    try:
+        OPS[op](loc)
+        return "no error", ""
+    except Exception as e:  # noqa: BLE001 - any error is an outcome to report
+        return "error", one_line(e)
+    finally:
+        injector.clear()
 
 
 OPS = {"save+sweep": lambda loc: loc.save(4, NEXT[0][1]), "restore": lambda loc: loc.make().load(),
@@ -128,23 +139,17 @@ OPS = {"save+sweep": lambda loc: loc.save(4, NEXT[0][1]), "restore": lambda loc:
 def transient(rng, plan, base):
     kind, when, op = rng.choice(sorted(faultfs.TRANSIENT)), rng.choice(["before", "after"]), rng.choice(sorted(OPS))
     proto = rng.choice(["memory", "file"])
-    n = calls_of(plan, OPS[op], faulty_location(proto, plan, base))
+    n = calls_of(plan, op, faulty_location(proto, plan, base))
     loc = faulty_location(proto, plan, base)
     plan.arm(rng.randint(1, n), faultfs.TRANSIENT[kind], when=when)
-    try:
-        OPS[op](loc)
-        outcome, msg = "no error", ""
-    except Exception as e:  # noqa: BLE001
-        outcome, msg = "error", one_line(e)
-    finally:
-        plan.clear()
+    outcome, msg = run_op(plan, op, loc)
     record(f"transient {kind}", "failing fsspec fs (memory or local): a random call of a save + sweep, restore or "
            "verify; the call lost or only its answer", outcome, msg, *audit(loc))
 
 
 def permanent(rng, plan, base):
     kind, proto = rng.choice(sorted(faultfs.PERMANENT)), rng.choice(["memory", "file"])
-    n = calls_of(plan, OPS["save+sweep"], faulty_location(proto, plan, base))
+    n = calls_of(plan, "save+sweep", faulty_location(proto, plan, base))
     loc = faulty_location(proto, plan, base)
     plan.arm(rng.randint(1, n), faultfs.PERMANENT[kind], times=10**6)
     outcome, msg = "no error", ""
@@ -264,19 +269,10 @@ def second_writer(rng, server, base):
 def s3(rng, server, opts):
     kind = rng.choice(["503", "500", "drop", "lost"])
     op = rng.choice(sorted(OPS))
-    probe = faultfs.Location(f"s3://ckz-bench/{uuid.uuid4().hex[:8]}", opts).seed(SEQ)
-    server.arm(None)
-    OPS[op](probe)
-    n = len(server.faults.requests)
+    n = calls_of(server, op, faultfs.Location(f"s3://ckz-bench/{uuid.uuid4().hex[:8]}", opts).seed(SEQ))
     loc = faultfs.Location(f"s3://ckz-bench/{uuid.uuid4().hex[:8]}", opts).seed(SEQ)
     server.arm(rng.randint(1, n), kind)
-    try:
-        OPS[op](loc)
-        outcome, msg = "no error", ""
-    except Exception as e:  # noqa: BLE001
-        outcome, msg = "error", one_line(e)
-    finally:
-        server.clear()
+    outcome, msg = run_op(server, op, loc)
     record(f"s3 {kind}", "moto S3 server behind a failing middleware: a random request of a save + sweep, restore "
            "or verify", outcome, msg, *audit(loc))
 

@@ -109,6 +109,11 @@ class FaultyS3Server(ThreadedMotoServer):
     def failed(self) -> list[str]:
         return self.faults.failed
 
+    @property
+    def calls(self) -> list[str]:
+        """The requests counted since the last arm (as FaultPlan.calls)."""
+        return self.faults.requests
+
 
 def chain_options(server: FaultyS3Server) -> dict:
     """storage_options for s3fs on ``server`` with the client's own retries off."""

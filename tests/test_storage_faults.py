@@ -19,7 +19,7 @@ import torch
 
 import faultfs
 from faultfs import every_call, states
-from ckptzip.chain import CheckpointChain, KeyframePolicy, RetentionPolicy
+from ckptzip.chain import CheckpointChain, KeyframePolicy
 from ckptzip.errors import (StorageError, StorageFullError, StorageReadOnlyError, StorageUnavailableError,
                             WriteConflictError)
 from ckptzip.retry import RetryPolicy, call, transient
