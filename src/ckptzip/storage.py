@@ -143,8 +143,9 @@ class _FsspecBackend:
 
     @contextlib.contextmanager
     def _exclusive(self, path: str):
+        """One lock per folder of one filesystem class, in this process."""
         with self._locks_guard:
-            lock = self._locks.setdefault(f"{id(type(self.fs))}:{path}", threading.Lock())
+            lock = self._locks.setdefault(f"{id(type(self.fs))}:{path.rsplit('/', 1)[0]}", threading.Lock())
         with lock:
             yield
 
