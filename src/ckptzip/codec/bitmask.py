@@ -37,11 +37,10 @@ import torch
 
 from ..errors import ConfigError, CorruptCheckpointError
 from ..tensorbytes import BITS_DTYPE, DTYPES, dtype_name, tensor_from_bytes, tensor_to_bytes
+from . import bitpack
 
 KINDS = ("same", "bitmask", "dense")
 _COO_INDEX_BYTES = 4  # int32 little-endian element index
-# 1, 2, 4, ..., 128: weight of each of the 8 mask bits inside a packed byte (little-endian bit order)
-_BIT_WEIGHTS = [1 << i for i in range(8)]
 
 
 # --------------------------------------------------------------------------- sizes / break-even
@@ -68,26 +67,13 @@ def changed_mask(cur: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- bit packing
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """(n,) bool -> (ceil(n/8),) uint8, little-endian bit order within each byte, zero padding."""
-    mask = mask.reshape(-1)
-    n = mask.numel()
-    pad = (-n) % 8
-    m = mask.to(torch.uint8)
-    if pad:
-        m = torch.cat([m, m.new_zeros(pad)])
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=m.device)
-    # each row holds 8 bits; sum of bit*2^i fits in uint8 (max 255), so no overflow
-    return (m.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+    """(n,) bool -> (ceil(n/8),) uint8: codec/bitpack.py at 1 bit (LSB first, zero padding)."""
+    return bitpack.pack(mask.reshape(-1).to(torch.bool), 1)
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of pack_bits: (ceil(n/8),) uint8 -> (n,) bool. Raises if padding bits are set."""
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=packed.device)
-    bits = (packed.reshape(-1, 1) & weights) != 0  # (n_bytes, 8)
-    bits = bits.reshape(-1)
-    if bool(bits[n:].any()):
-        raise CorruptCheckpointError("bitmask padding bits are set; the payload is corrupt")
-    return bits[:n]
+    return bitpack.unpack(packed, n, 1).to(torch.bool)
 
 
 # --------------------------------------------------------------------------- bitmask delta
