@@ -15,7 +15,8 @@ import torch
 from ckptzip.chain import CheckpointChain
 from ckptzip.errors import ConfigError, CorruptCheckpointError
 from ckptzip.methods.base import DecodeContext, EncodeContext, get_method
-from ckptzip.methods.excp import ExcpFixedConfig, adam_parameters
+from ckptzip.methods.excp_fixed import ExcpFixedConfig
+from ckptzip.methods.excp_records import adam_parameters
 from ckptzip.quant.excp import EXCP_FAITHFUL, decode_tensor, encode_tensor
 from ckptzip.state import flatten_state
 

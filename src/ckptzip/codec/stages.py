@@ -98,6 +98,8 @@ ZSTD_INTS = _stage("zstd-ints/1", "stream 'ZS' v1: the integers at the narrowest
                    "codec/entropy.zstd_encode", takes=CODES,
                    codec="ckptzip.codec.entropy:zstd_encode:zstd_decode")
 
+CODER_STAGES = {"huffman": HUFFMAN, "ans": ANS, "zstd": ZSTD_INTS}  # codec/entropy.CODERS names -> stage
+
 # --- exact and lossless records -----------------------------------------------------------------
 EXACT = _stage("exact/1", "the tensor's exact bytes (FORMAT section 3), stored by the next stage")
 LOSSLESS = _stage("lossless/1", "method lossless: the tensor's bits, or their XOR with the parent's")

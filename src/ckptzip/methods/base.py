@@ -150,7 +150,7 @@ _BUILTIN = {
     "lossless": "ckptzip.methods.lossless",
     "dynaquant": "ckptzip.methods.dynaquant",
     "excp": "ckptzip.methods.excp",
-    "excp-fixed": "ckptzip.methods.excp",
+    "excp-fixed": "ckptzip.methods.excp_fixed",
     "bitsnap": "ckptzip.methods.bitsnap",
     "bitsnap-lossless": "ckptzip.methods.bitsnap",
     "qd": "ckptzip.methods.baselines",
