@@ -41,8 +41,8 @@ Call order::
     q2 = unpack(blobs, shape, dtype)      # -> QuantizedTensor equal to q for dequantize
     y = dequantize(q2)                    # x's shape and dtype
 
-``naive_uint8_quantize`` / ``naive_uint8_dequantize`` are the paper's baseline: one min-max
-uint8 grid over the whole tensor (identical to K = 1).
+The paper's naive baseline, one min-max uint8 grid over the whole tensor, is K = 1
+(bench/paper_baselines.py).
 """
 from __future__ import annotations
 
@@ -169,22 +169,6 @@ def unpack(blobs: dict[str, bytes], shape, dtype: str, device: torch.device | st
         side={"scale": scale, "min": cmin},
         meta={"descriptor": DESCRIPTOR, "n_clusters": K},
     )
-
-
-# --------------------------------------------------------------------------- naive baseline
-def naive_uint8_quantize(x: torch.Tensor) -> QuantizedTensor:
-    """The paper's naive 8-bit baseline: one asymmetric min-max uint8 grid over the whole tensor."""
-    xf = _flat_float(x)
-    labels = torch.zeros_like(xf, dtype=torch.int64)
-    q, cmin, scale = _minmax_uint8(xf, labels, 1)
-    return QuantizedTensor(
-        codes=q, n_levels=_LEVELS, codebook=_codebook(cmin, scale), shape=tuple(x.shape),
-        dtype=dtype_name(x.dtype), side={"scale": scale, "min": cmin}, meta={"descriptor": "naive-uint8/1"},
-    )
-
-
-def naive_uint8_dequantize(q: QuantizedTensor) -> torch.Tensor:
-    return dequantize(q)
 
 
 # --------------------------------------------------------------------------- helpers
