@@ -1,9 +1,19 @@
-"""Golden chains of every method as ckptzip 0.1 wrote them: ``python tests/data/make_golden_methods.py``.
+"""Golden chains of every method: as ckptzip 0.1 wrote them, and as today's writer writes them.
 
-Written ONCE with the 0.1 tree (commit 47704d1: ``git worktree add /tmp/v01 47704d1``, then run this
-script there with ``PYTHONPATH=/tmp/v01/src`` and copy ``golden_methods_v1/`` back). Never
-regenerate it with newer code: its purpose is to prove that files written by 0.1 keep decoding to
-exactly what 0.1 decoded (tests/test_golden_methods.py).
+``golden_methods_v1/`` was written ONCE with the 0.1 tree (commit 47704d1: ``git worktree add
+/tmp/v01 47704d1``, then ``python tests/data/make_golden_methods.py`` there with
+``PYTHONPATH=/tmp/v01/src``, and the folder copied back). Never regenerate it with newer code: it
+proves that files written by 0.1 keep decoding to exactly what 0.1 decoded
+(tests/test_golden_methods.py).
+
+``golden_methods_v2/`` pins today's format (docs/FORMAT.md): ``python tests/data/make_golden_methods.py
+--current`` re-encodes the v1 inputs with today's writer (every chain but the searching one, whose
+choice depends on the live model) and keeps the chains whose bytes differ from 0.1's, with what
+today's reader restores from them (new tensors, if any, in its own values.safetensors) and the
+zstd build in versions.json. The test re-encodes the inputs and compares every container byte for
+byte with v2's file, or v1's where the format did not change. Regenerate it only after a
+deliberate format change (and update FORMAT.md with it); the files it replaces must stay readable,
+so move them to a new frozen golden folder first when an old reader path is at stake.
 
 golden_methods_v1/
     values.safetensors   every distinct tensor below, keyed by the first 16 hex digits of
@@ -33,6 +43,7 @@ import shutil
 
 HERE = pathlib.Path(__file__).resolve().parent
 OUT = HERE / "golden_methods_v1"
+OUT_CURRENT = HERE / "golden_methods_v2"
 STEPS = (4, 8, 12)
 _Q = {"min_numel": 128}
 
@@ -183,5 +194,81 @@ def main() -> None:
     print(f"wrote {OUT.name}/: {len(CHAINS)} chains, {len(values)} distinct tensors, {total} bytes")
 
 
+# --- today's writer -------------------------------------------------------------------------------
+def load_inputs() -> tuple[dict, dict]:
+    """(inputs.json, every tensor of values.safetensors) of golden_methods_v1."""
+    from safetensors.torch import load_file
+
+    return json.loads((OUT / "inputs.json").read_text()), load_file(OUT / "values.safetensors")
+
+
+def input_state(step: int, inputs: dict, values: dict):
+    """The FlatState saved at ``step`` (a fresh copy: methods may not alias their input)."""
+    from ckptzip.state import FlatState, TensorRecord
+
+    x = inputs[str(step)]
+    return FlatState({n: values[k].clone() for n, k in x["tensors"].items()},
+                     {n: TensorRecord.from_dict(n, r) for n, r in x["records"].items()},
+                     copy.deepcopy(x["skeleton"]), dict(x["extra"]))
+
+
+def encode_chain(name: str, url, inputs: dict, values: dict) -> None:
+    """Save chain ``name``'s steps of the golden inputs at ``url`` with today's writer."""
+    from ckptzip import CheckpointChain
+    from ckptzip.chain import KeyframePolicy
+
+    method, cfg, search = CHAINS[name]
+    assert not search, f"{name} searches against the live model: its bytes are not reproducible from inputs"
+    chain = CheckpointChain(url, method, cfg, keyframe=KeyframePolicy(every=10))
+    for step in STEPS:
+        chain.save(input_state(step, inputs, values), step)
+
+
+def zstd_version() -> str:
+    import zstandard
+
+    return ".".join(map(str, zstandard.ZSTD_VERSION))
+
+
+def main_current() -> None:
+    from safetensors.torch import save_file
+
+    from ckptzip import CheckpointChain
+
+    inputs, values = load_inputs()
+    shutil.rmtree(OUT_CURRENT, ignore_errors=True)
+    OUT_CURRENT.mkdir()
+    new_values, expected = {}, {}
+    for name, (method, cfg, search) in CHAINS.items():
+        if search:
+            continue
+        d = OUT_CURRENT / name
+        encode_chain(name, d, inputs, values)
+        if all(f.read_bytes() == (OUT / name / f.name).read_bytes() for f in d.glob("*.ckz")):
+            shutil.rmtree(d)  # the format of this chain did not change: v1 pins it
+            continue
+        steps = {}
+        for step in STEPS:
+            r = CheckpointChain(d).restore(step)
+            keys = {}
+            for n, t in r.flat.tensors.items():
+                keys[n] = value_key(t)
+                if keys[n] not in values:
+                    new_values.setdefault(keys[n], t.contiguous().clone())
+            same = r.flat.skeleton == inputs[str(step)]["skeleton"]
+            steps[str(step)] = {"keyframe": r.manifest["keyframe"], "skeleton": "input" if same else r.flat.skeleton,
+                                "tensors": keys}
+        expected[name] = {"method": method, "config": cfg, "search": search, "steps": steps}
+    if new_values:
+        save_file(dict(sorted(new_values.items())), OUT_CURRENT / "values.safetensors")
+    (OUT_CURRENT / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
+    (OUT_CURRENT / "versions.json").write_text(json.dumps({"zstd": zstd_version()}) + "\n")
+    total = sum(p.stat().st_size for p in OUT_CURRENT.rglob("*") if p.is_file())
+    print(f"wrote {OUT_CURRENT.name}/: {len(expected)} chains whose bytes changed since 0.1 "
+          f"({', '.join(expected)}), {len(new_values)} new tensors, {total} bytes")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main_current() if sys.argv[1:] == ["--current"] else main()
