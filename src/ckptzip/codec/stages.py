@@ -150,10 +150,10 @@ def get(descriptor: str, *, record: str, method: str) -> Stage:
     name = descriptor.partition("/")[0] if isinstance(descriptor, str) else repr(descriptor)
     readable = [d for d, t in STAGES.items() if t.name == name and (not t.legacy_in or method in t.legacy_in)]
     if readable:
-        raise UnknownStageError(f"record {record!r} of a {method} file names stage {descriptor!r}; this ckptzip "
-                                f"reads {', '.join(readable)} there: upgrade ckptzip to read it")
-    raise UnknownStageError(f"record {record!r} of a {method} file names unknown stage {descriptor!r}: written by "
-                            "a newer ckptzip (upgrade ckptzip) or corrupt")
+        raise UnknownStageError(f"record {record!r} (method {method!r}) names stage {descriptor!r}; this ckptzip "
+                                f"reads {', '.join(readable)} there: upgrade ckptzip to read the file")
+    raise UnknownStageError(f"record {record!r} (method {method!r}) names unknown stage {descriptor!r}: the file "
+                            "was written by a newer ckptzip (upgrade ckptzip) or is corrupt")
 
 
 def check_pipeline(pipeline: list, *, record: str, method: str) -> list[Stage]:
