@@ -98,7 +98,7 @@ def _ratio(raw: int, stored: int) -> str:
 
 # summary fields shown by `ls` (chosen config, search cost, measured degradation), in this order
 LS_COLUMNS = ("bins", "embedding_bins", "prune_fraction", "prune_metric", "protect_fraction",  # dynaquant
-              "min_bins", "max_bins", "n_bins", "n_bins_embedding", "n_step_bins", "range_ratio",  # qd/cnr/gobo
+              "min_bins", "max_bins", "step_bins", "range_ratio", "outlier_log_prob",  # qd/cnr/gobo
               "search", "evals", "degradation", "infeasible", "search_s", "encode_s")
 
 

@@ -25,9 +25,8 @@ Faithful, quirks included:
   authors rebuild the optimizer from the base checkpoint and load only the moments. Deltas store
   no ``step`` tensors (``excp-base/1``: the keyframe's values, kept in the reference), and the
   delta's optimizer ``param_groups`` (lr, betas, weight decay, ...) are replaced by the keyframe's
-  in the file's skeleton. NOTE: the method interface gives ``decode`` no access to the skeleton,
-  so the encoder rewrites ``state.skeleton`` (a new object; the old one is not mutated) before the
-  chain writes it.
+  in the file's skeleton (``Encoded.skeleton``: the chain stores it instead of the state's; the
+  input state is never modified).
 - final stage: xz (LZMA2, preset 9 | extreme) over the whole checkpoint payload: ONE shared blob
   ``"payload"``; records have no blobs and carry spans into it (methods/excp_records.py).
 
@@ -88,7 +87,7 @@ class ExcpMethod(Method):
     config_cls = ExcpConfig
 
     def encode(self, state: FlatState, reference: Reference | None, *, ctx: EncodeContext) -> tuple[Encoded, Reference]:
-        prev = reference.data if reference is not None else None
+        prev = R.checked_reference(reference, self.name)
         enc = Encoded(keyframe=prev is None)
         spans = R.SpanWriter()
         weights = R.weight_records(state.records)
@@ -97,14 +96,14 @@ class ExcpMethod(Method):
                 enc.add(name, R.SPAN, {"span": spans.add(tensor_to_bytes(t))})
             groups = copy.deepcopy(_param_groups(state.skeleton))
             enc.meta["excp"] = {"base_param_groups": groups}
-            ref = {"w": {n: R.clone(state.tensors[n]) for n in weights},
-                   "base": {n: R.clone(t) for n, t in state.tensors.items() if state.records[n].role == "step"},
-                   "groups": groups}
+            ref = R.ExcpReference(ctx.step, {n: R.clone(state.tensors[n]) for n in weights},
+                                  {n: R.clone(t) for n, t in state.tensors.items() if state.records[n].role == "step"},
+                                  groups)
         else:
             new_w, facts = {}, []
-            for wname, (mname, vname) in R.adam_parameters(state.records).items():
+            for wname, (mname, vname) in R.adam_parameters(state).items():
                 w = state.tensors[wname]
-                w_prev = prev["w"].get(wname)
+                w_prev = prev.weights.get(wname)
                 if w_prev is None or w_prev.shape != w.shape or w_prev.dtype != w.dtype:
                     continue  # no reconstructed weights to take a residual from: exact below
                 blobs, tmeta = encode_tensor(residual(w, w_prev.to(w.device)), state.tensors[mname],
@@ -114,7 +113,7 @@ class ExcpMethod(Method):
                 dw_hat = decode_tensor(blobs, tmeta, device=w.device)[0]  # what the decoder will add
                 new_w[wname] = apply_residual(w_prev.to(w.device), dw_hat)
                 facts.append(tmeta["prune"])
-            base = prev["base"]
+            base = prev.base
             for name, t in state.tensors.items():
                 if name in enc.records:
                     continue
@@ -125,17 +124,17 @@ class ExcpMethod(Method):
                     enc.add(name, R.SPAN, {"span": spans.add(tensor_to_bytes(t))})
                     if name in weights:
                         new_w[name] = R.clone(t)
-            state.skeleton, patched = _with_base_groups(state.skeleton, prev["groups"])
+            enc.skeleton, patched = _with_base_groups(state.skeleton, prev.groups)
             enc.meta["excp"] = {"param_groups_from_base": patched}
             enc.meta["summary"] = R.summary(facts)
-            ref = {"w": {n: new_w[n] for n in weights}, "base": base, "groups": prev["groups"]}
+            ref = R.ExcpReference(ctx.step, {n: new_w[n] for n in weights}, base, prev.groups)
         R.write_payload(enc, spans.getvalue(), S.XZ)
-        return enc, Reference(ctx.step, ref)
+        return enc, ref
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
         raw = R.read_payload(encoded)
-        prev = reference.data if reference is not None else None
+        prev = R.checked_reference(reference, self.name)
         if not encoded.keyframe and prev is None:
             raise CorruptCheckpointError("ExCP delta checkpoint decoded without its parent's reference")
         out: dict[str, torch.Tensor] = {}
@@ -146,7 +145,7 @@ class ExcpMethod(Method):
             if R.is_span(pipe):
                 out[name] = tensor_from_bytes(R.cut(raw, meta.get("span"), name), rec.dtype, rec.shape).to(ctx.device)
             elif pipe[0] == S.EXCP_RESIDUAL.descriptor and prev is not None:
-                w_prev = prev["w"].get(name)
+                w_prev = prev.weights.get(name)
                 spans = meta.get("spans")
                 if w_prev is None or not isinstance(spans, dict):
                     raise CorruptCheckpointError(f"record {name!r} is an ExCP residual; its parent lacks the weights")
@@ -155,7 +154,7 @@ class ExcpMethod(Method):
                 out[name] = R.check(name, apply_residual(w_prev.to(ctx.device), dw), rec)
                 moments[name] = (m, v)
             elif pipe[0] == FROM_BASE and prev is not None:
-                b = prev["base"].get(name)
+                b = prev.base.get(name)
                 if b is None:
                     raise CorruptCheckpointError(f"record {name!r} takes the keyframe's value; the keyframe lacks it")
                 out[name] = R.check(name, b.clone().to(ctx.device), rec)
@@ -167,11 +166,9 @@ class ExcpMethod(Method):
         weights = R.weight_records(records)
         if prev is None:
             groups = (encoded.meta.get("excp") or {}).get("base_param_groups")
-            ref = {"w": {n: out[n] for n in weights}, "groups": groups,
-                   "base": {n: out[n] for n, r in records.items() if r.role == "step"}}
-        else:
-            ref = {"w": {n: out[n] for n in weights}, "base": prev["base"], "groups": prev["groups"]}
-        return out, Reference(ctx.step, ref)
+            return out, R.ExcpReference(ctx.step, {n: out[n] for n in weights},
+                                        {n: out[n] for n, r in records.items() if r.role == "step"}, groups)
+        return out, R.ExcpReference(ctx.step, {n: out[n] for n in weights}, prev.base, prev.groups)
 
 
 __all__ = ["ExcpMethod"]

@@ -93,12 +93,12 @@ class ExcpFixedMethod(Method):
     def encode(self, state: FlatState, reference: Reference | None, *, ctx: EncodeContext) -> tuple[Encoded, Reference]:
         cfg = self.config
         tcfg = cfg.tensor_config()
-        prev = reference.data if reference is not None else None
+        prev = R.checked_reference(reference, self.name)
         enc = Encoded(keyframe=prev is None)
         spans = R.SpanWriter()
         streams = StreamWriter(cfg.bits)
         new_w, facts, joint = {}, [], {}
-        for wname, (mname, vname) in sorted(R.adam_parameters(state.records).items()):
+        for wname, (mname, vname) in sorted(R.adam_parameters(state).items()):
             w, m, v = state.tensors[wname], state.tensors[mname], state.tensors[vname]
             if prev is None:
                 parts = {"m": quantize_part(m, tcfg), "v": quantize_part(v, tcfg)}
@@ -111,7 +111,7 @@ class ExcpFixedMethod(Method):
                 if "dw" in parts:
                     new_w[wname] = self._values(parts, tmeta, ("dw",), w.device)[0].to(w.dtype)
             else:
-                w_prev = prev["w"].get(wname)
+                w_prev = prev.weights.get(wname)
                 if w_prev is None or w_prev.shape != w.shape or w_prev.dtype != w.dtype:
                     continue  # new parameter: exact below, residuals from the next save on
                 parts, tmeta = encode_parts(residual(w, w_prev.to(w.device)), m, v, tcfg)
@@ -146,7 +146,7 @@ class ExcpFixedMethod(Method):
         enc.meta.update(streams=smeta, summary={**R.summary(facts), "coders": ",".join(f"{p}={c}" for p, c in
                                                                                     chosen.items()),
                                                 "payload_stage": stage.descriptor})
-        return enc, Reference(ctx.step, {"w": {n: new_w[n] for n in R.weight_records(state.records)}})
+        return enc, R.ExcpReference(ctx.step, {n: new_w[n] for n in R.weight_records(state.records)})
 
     def _exact(self, enc: Encoded, spans: R.SpanWriter, name: str, t: torch.Tensor, meta: dict,
                force_blob: bool = False) -> None:
@@ -164,7 +164,7 @@ class ExcpFixedMethod(Method):
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
         raw = R.read_payload(encoded)
-        prev = reference.data if reference is not None else None
+        prev = R.checked_reference(reference, self.name)
         if not encoded.keyframe and prev is None:
             raise CorruptCheckpointError("ExCP delta checkpoint decoded without its parent's reference")
         if R.CODES not in encoded.blobs:
@@ -189,7 +189,7 @@ class ExcpFixedMethod(Method):
                 raise CorruptCheckpointError(f"record {name!r} has pipeline {pipe} that excp-fixed cannot decode")
         streams.check_consumed()
         R.assign_joint(later, moments, out)
-        return out, Reference(ctx.step, {"w": {n: out[n] for n in R.weight_records(records)}})
+        return out, R.ExcpReference(ctx.step, {n: out[n] for n in R.weight_records(records)})
 
     def _decode_joint(self, name, rec, pipe, tmeta, raw, streams, encoded, prev, ctx):
         """One parameter: its weight and (m^, v^)."""
@@ -212,7 +212,7 @@ class ExcpFixedMethod(Method):
                 raise CorruptCheckpointError(f"record {name!r} has bits={bits}, shape={shape}; expected "
                                              f"{self.config.bits}, {tuple(rec.shape)}")
             if tmeta["format"] in (FORMAT, FORMAT_V1):  # delta: the shared tensor core decodes it
-                w_prev = prev["w"].get(name) if prev is not None else None
+                w_prev = prev.weights.get(name) if prev is not None else None
                 if w_prev is None or pipe[0] != S.EXCP_RESIDUAL.descriptor or set(parts) != set(PARTS):
                     raise CorruptCheckpointError(f"record {name!r} is an ExCP residual; its parent lacks the weights")
                 dw, m, v = decode_parts(parts, tmeta, ctx.device)

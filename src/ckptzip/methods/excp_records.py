@@ -9,9 +9,9 @@ joint    the ``exp_avg`` / ``exp_avg_sq`` records of a parameter with Adam state
          their own (``joint/1``, meta ``{"of": weight record, "part": "m" | "v"}``): the weight
          record decodes all three.
 
-A *parameter with Adam state* (:func:`adam_parameters`) is a float ``weight`` record whose
-parameter (``TensorRecord.param``) has exactly one ``exp_avg`` and one ``exp_avg_sq`` record of its
-shape, both float; nothing is exempt by name.
+A *parameter with Adam state* (:func:`adam_parameters`) is a parameter of ``FlatState.params()``
+with a float weight record and float ``exp_avg`` and ``exp_avg_sq`` records of its shape; nothing
+is exempt by name. The reference (:class:`ExcpReference`) holds the reconstructed weights.
 
 Files of ckptzip 0.1 wrote ``raw/1, <payload stage>`` for bytes at a span (now ``exact/1, span/1``),
 ``excp-tensor/1, ...`` for joint records (now ``joint/1``) and, in ``excp-fixed``, ``zstd/1`` for
@@ -19,18 +19,42 @@ the zstd payload stage (now ``zstd-frame/1``); :func:`is_span` and :func:`is_joi
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
 import torch
 
 from ..codec import stages as S
-from ..errors import CorruptCheckpointError
-from ..state import TensorRecord
-from .base import Encoded
+from ..errors import ConfigError, CorruptCheckpointError
+from ..state import FlatState, TensorRecord
+from .base import Encoded, Reference
 
 PAYLOAD = "payload"   # shared blob keys: not starting with a digit, the chain counts them as "shared"
 CODES = "codes"
 SPAN = S.pipeline(S.EXACT, S.SPAN)
 JOINT = S.JOINT.descriptor
 _JOINT_V1 = (S.EXCP_TENSOR_V1.descriptor, S.KMEANS_NONZERO.descriptor)
+
+
+@dataclass(frozen=True)
+class ExcpReference(Reference):
+    """The reconstructed weights W~ (residuals are taken against them); ``excp`` also keeps the
+    base's step tensors and param_groups, which its deltas restore (methods/excp.py)."""
+
+    weights: Mapping[str, torch.Tensor]
+    base: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    groups: object = None
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        yield from self.weights.values()
+        yield from self.base.values()
+
+
+def checked_reference(reference: Reference | None, method: str) -> ExcpReference | None:
+    if reference is not None and not isinstance(reference, ExcpReference):
+        raise ConfigError(f"{method} was given a reference it did not make ({type(reference).__name__}); pass the "
+                          "Reference its encode/decode returned, or None for a keyframe")
+    return reference
 
 
 class SpanWriter:
@@ -113,26 +137,17 @@ def check(name: str, t: torch.Tensor, rec: TensorRecord) -> torch.Tensor:
     return t
 
 
-def adam_parameters(records: dict[str, TensorRecord]) -> dict[str, tuple[str, str]]:
-    """weight record name -> (exp_avg record, exp_avg_sq record), for every parameter with Adam state.
-
-    Found through ``TensorRecord.param`` links; a parameter with several moment records of a
-    role (two optimizers over one parameter) or a shape mismatch is left out (stored exactly).
-    """
-    moments: dict[str, dict[str, list[str]]] = {}
-    for r in records.values():
-        if r.role in ("exp_avg", "exp_avg_sq") and r.param is not None:
-            moments.setdefault(r.param, {}).setdefault(r.role, []).append(r.name)
+def adam_parameters(state: FlatState) -> dict[str, tuple[str, str]]:
+    """weight record name -> (exp_avg record, exp_avg_sq record), for every parameter with Adam state
+    (``FlatState.params()``): a float weight whose moments are float and of its shape."""
     out = {}
-    for r in records.values():
-        if r.role != "weight" or r.param is None or not r.is_float:
+    for p in state.params().values():
+        names = (p.weight, p.moments.get("exp_avg"), p.moments.get("exp_avg_sq"))
+        if None in names:
             continue
-        mom = moments.get(r.param, {})
-        if len(mom.get("exp_avg", ())) != 1 or len(mom.get("exp_avg_sq", ())) != 1:
-            continue
-        m, v = records[mom["exp_avg"][0]], records[mom["exp_avg_sq"][0]]
-        if m.is_float and v.is_float and r.shape == m.shape == v.shape:
-            out[r.name] = (m.name, v.name)
+        w, m, v = (state.records[n] for n in names)
+        if w.is_float and m.is_float and v.is_float and w.shape == m.shape == v.shape:
+            out[w.name] = (m.name, v.name)
     return out
 
 
