@@ -65,7 +65,7 @@ class _StageTestMethod(Method):
         enc = Encoded()
         for n, t in state.tensors.items():
             enc.add(n, ["exact/1", "raw/2"], {}, data=tensor_to_bytes(t))
-        return enc, Reference(ctx.step, None)
+        return enc, Reference(ctx.step)
 
     def decode(self, records, encoded, reference, *, ctx):  # pragma: no cover - never reached
         return {n: tensor_from_bytes(encoded.blob(n, "data"), r.dtype, r.shape) for n, r in records.items()}, None

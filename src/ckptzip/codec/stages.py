@@ -110,6 +110,7 @@ DYNAQUANT = _stage("dynaquant/1", "a DynaQuant quantized record: codes, codebook
 QD = _stage("qd/1", "a QD (uniform, entropy-chosen bins) quantized record")
 CNR = _stage("cnr/1", "a Check-N-Run (greedy clipping) quantized record")
 GOBO = _stage("gobo/1", "a GOBO (outliers + k-means) quantized record")
+QUANTIZED_RECORD = {"dynaquant": DYNAQUANT, "qd": QD, "cnr": CNR, "gobo": GOBO}  # method name -> its marker
 CYCLIC_DELTA = _stage("cyclic-delta/1", "codes as (parent codes - codes) mod B: codec/delta.py")
 REARRANGE = _stage("rearrange/1", "deltas grouped by the parent's code (Algorithm 5): codec/delta.py")
 RLE = _stage("rle/1", "run-length stream (-value, length if >= 2): codec/rle.py")

@@ -53,11 +53,12 @@ import numpy as np
 import torch
 
 from ..codec import bitpack
+from ..codec import stages as S
 from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError
 from ..tensorbytes import FLOAT_DTYPES, dtype_name, torch_dtype
 from .base import QuantizedTensor, apply_codebook
 
-DESCRIPTOR = "cluster8/1"
+DESCRIPTOR = S.CLUSTER8.descriptor
 _LEVELS = 256  # uint8 grid per cluster
 _MAX_CLUSTERS = 16  # labels are stored as uint4
 

@@ -60,12 +60,13 @@ from dataclasses import dataclass
 import torch
 
 from ..codec import bitpack
+from ..codec import stages as S
 from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError
 from ..tensorbytes import dtype_name, tensor_from_bytes, tensor_to_bytes, torch_dtype
 from .base import QuantizedTensor, apply_codebook
 
-FORMAT = "excp-tensor/2"     # written into every tensor's meta: codes packed by codec/bitpack.py
-FORMAT_V1 = "excp-tensor/1"  # ckptzip 0.1: codes packed MSB first (read only)
+FORMAT = S.EXCP_TENSOR.descriptor        # written into every tensor's meta: codes packed by codec/bitpack.py
+FORMAT_V1 = S.EXCP_TENSOR_V1.descriptor  # ckptzip 0.1: codes packed MSB first (read only)
 PARTS = ("dw", "m", "v")     # residual, exp_avg, exp_avg_sq
 _CODEBOOK_DTYPES = ("float16", "float32")
 
