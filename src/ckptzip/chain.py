@@ -441,3 +441,17 @@ def _bytes_by_role(flat: FlatState, enc: Encoded) -> dict:
     if shared:
         out.setdefault("shared", [0, 0])[1] += shared
     return out
+
+
+def open_chain(url, *, read_index: bool = True, storage_options: dict | None = None) -> CheckpointChain:
+    """An existing, committed chain to read, or a one-line error saying what ``url`` is instead."""
+    chain = CheckpointChain(url, storage_options=storage_options)
+    st = chain.storage
+    if not st.fs.exists(st.root):
+        raise FileNotFoundError(f"{url}: no such chain; check the path (create one with `ckptzip compress`)")
+    if not st.exists(INDEX):
+        raise IncompleteCheckpointError(f"{url}: not a ckptzip chain (no index.json); pass a folder written by "
+                                        "`ckptzip compress` or CheckpointChain")
+    if read_index:
+        chain.entries(refresh=True)  # a corrupt index raises CorruptCheckpointError here
+    return chain
