@@ -108,7 +108,8 @@ class ExcpMethod(Method):
                     continue  # no reconstructed weights to take a residual from: exact below
                 blobs, tmeta = encode_tensor(residual(w, w_prev.to(w.device)), state.tensors[mname],
                                              state.tensors[vname], self.config)
-                enc.add(wname, RESIDUAL, {"excp": R.stored(tmeta), "spans": {k: spans.add(b) for k, b in blobs.items()}})
+                enc.add(wname, RESIDUAL, {"excp": R.stored(tmeta),
+                                          "spans": {k: spans.add(b) for k, b in blobs.items()}})
                 R.add_joint(enc, wname, mname, vname)
                 dw_hat = decode_tensor(blobs, tmeta, device=w.device)[0]  # what the decoder will add
                 new_w[wname] = apply_residual(w_prev.to(w.device), dw_hat)

@@ -107,7 +107,8 @@ class ExcpFixedMethod(Method):
                 tmeta = {"format": KEYFRAME_FORMAT, "shape": list(w.shape), "bits": cfg.bits,
                          "codebook_dtype": cfg.codebook_dtype,
                          "dtypes": {"m": state.records[mname].dtype, "v": state.records[vname].dtype},
-                         "parts": {p: {"mode": part.mode, "nnz": int(part.support().sum())} for p, part in parts.items()}}
+                         "parts": {p: {"mode": part.mode, "nnz": int(part.support().sum())}
+                                   for p, part in parts.items()}}
                 if "dw" in parts:
                     new_w[wname] = self._values(parts, tmeta, ("dw",), w.device)[0].to(w.dtype)
             else:
