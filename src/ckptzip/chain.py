@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .codec.stages import check_pipeline
 from .errors import (ChainBusyError, CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError,
                      StorageError, WriteConflictError)
 from .format import decode_container, encode_container, sha256
@@ -303,6 +304,8 @@ class CheckpointChain:
             enc = Encoded(records={n: {"pipeline": r["pipeline"], "meta": r.get("meta", {}), "blobs": r["blobs"]}
                                    for n, r in m["records"].items()},
                           blobs=c.blobs, meta=m.get("method_meta", {}), keyframe=m["keyframe"])
+            for n, r in enc.records.items():  # every stage known before the method reads a byte
+                check_pipeline(r["pipeline"], record=n, method=m["method"].partition("/")[0])
             tensors, ref = methods[key].decode(records, enc, ref, ctx=DecodeContext(step=s, device=device))
             if set(skeleton_refs(m["skeleton"])) - set(tensors):
                 raise CorruptCheckpointError(f"{self.storage.path(e.file)}: skeleton names tensors the file lacks")
