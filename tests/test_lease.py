@@ -178,7 +178,8 @@ def test_lease_rules():
 
 
 def test_async_engine_shares_the_fence(tmp_path, digits_file):
-    """An engine opened on a chain a live synchronous writer owns fails at once, naming it."""
+    """An engine opened on a chain a live writer process owns fails at once, naming it; a claim of
+    the engine's own process passes to its agent; the writers it replaced are fenced."""
     from ckptzip.engine import AsyncCheckpointEngine
 
     url = tmp_path / "ckpt"
@@ -188,14 +189,19 @@ def test_async_engine_shares_the_fence(tmp_path, digits_file):
         assert a("open") == "opened" and a("save") == "saved 1"
         with pytest.raises(ChainBusyError, match=f"pid {a.p.pid}.*takeover=True"):
             AsyncCheckpointEngine(url, "lossless")
-        eng = AsyncCheckpointEngine(url, "lossless", takeover=True)
+        mine = CheckpointChain(url, takeover=True)
+        mine.save(mine.load(), step=2)  # this process fences the other one ...
+        eng = AsyncCheckpointEngine(url, "lossless")  # ... and hands its claim to the engine's agent
         try:
-            state = eng.restore()[0]
-            eng.save(state, 2).wait(60)
+            state, step = eng.restore()
+            assert step == 2
+            eng.save(state, 3).wait(60)
         finally:
             eng.close()
-        assert a("save").startswith("error ChainBusyError")  # fenced by the engine's agent
+        with pytest.raises(ChainBusyError, match="fenced"):
+            mine.save(state, step=4)
+        assert a("save").startswith("error ChainBusyError")
     finally:
         a.kill()
     chain = CheckpointChain(url)
-    assert chain.steps() == [1, 2] and chain.verify() == [] and chain.orphans() == []
+    assert chain.steps() == [1, 2, 3] and chain.verify() == [] and chain.orphans() == []

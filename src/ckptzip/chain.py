@@ -369,7 +369,7 @@ class CheckpointChain:
         gone = self.orphans()
         if gone:
             base, record = self._claim()
-            if not self._lease.holds(base.owner):
+            if not self._lease.mine(base.owner):
                 self._commit(base.entries, base, record, "collecting orphans")
             named = {e.file for e in self._index.entries}
             gone = [n for n in gone if n not in named]
@@ -377,23 +377,24 @@ class CheckpointChain:
                 self.storage.delete(n)
         return gone
 
-    def close(self) -> None:
-        """Release the chain (the next writer takes over without waiting) and the method's resources."""
-        try:
-            self._release()
-        finally:
-            self.method.close()
+    def release(self) -> None:
+        """Give up this process's claim on the chain, if it has one: the next writer (another
+        process, an async engine's agent) takes over without waiting; a writer here that saves
+        again after another took over is fenced."""
+        base = self._load_index()
+        if self._lease.mine(base.owner):
+            self._commit(base.entries, base, self._lease.released(base.owner), "releasing the chain")
 
-    def _release(self) -> None:
-        if self._lease.generation is None:
-            return
+    def close(self) -> None:
+        """Release the chain if this object wrote to it, and the method's resources."""
         try:
-            base = self._load_index()
-            if self._lease.holds(base.owner):
-                self._commit(base.entries, base, self._lease.released(base.owner), "releasing the chain")
+            if self._lease.generation is not None:
+                self.release()
         except Exception as e:  # closing must not fail a finished run; the lease still ends
             warnings.warn(f"{self.url}: could not release the chain ({type(e).__name__}: {e}); another writer "
-                          "takes over once this process exits (elsewhere: after lease_s)", stacklevel=3)
+                          "takes over once this process exits (elsewhere: after lease_s)", stacklevel=2)
+        finally:
+            self.method.close()
 
     def __enter__(self):
         return self

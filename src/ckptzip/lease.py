@@ -12,7 +12,7 @@ makes a commit based on a stale read fail, whoever made it. Call order for one w
     storage.write_if(name, doc_with(record), version) # the commit; WriteConflictError: lost
     lease.held(record)                                # on success
     raise lease.lost(owner_now, what)                 # on WriteConflictError, after a re-read
-    storage.write_if(name, doc_with(lease.released(record)), version)   # on close
+    if lease.mine(owner): storage.write_if(name, doc_with(lease.released(owner)), version)  # release
 
 Who counts as live: an owner on this machine (same boot id and pid namespace) while its process
 runs (pid and start time, so a reused pid is not mistaken for it); an owner elsewhere until
@@ -96,10 +96,10 @@ class Lease:
         """A commit with ``record`` succeeded."""
         self.generation = int(record["generation"])
 
-    def holds(self, owner: dict | None) -> bool:
-        """Whether ``owner`` (the record now committed) is this writer, unreleased."""
-        return bool(owner) and owner.get("id") == this_process()["id"] and not owner.get("released") \
-            and self.generation is not None
+    @staticmethod
+    def mine(owner: dict | None) -> bool:
+        """Whether ``owner`` (the record now committed) is this process, unreleased."""
+        return bool(owner) and owner.get("id") == this_process()["id"] and not owner.get("released")
 
     @staticmethod
     def released(record: dict) -> dict:

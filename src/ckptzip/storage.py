@@ -110,7 +110,9 @@ class Storage:
     def write_if(self, name: str, data: bytes, version: str | None) -> str:
         """Replace ``name`` only if it is still at ``version`` (None: only if absent); the new version.
 
-        Raises WriteConflictError when another writer changed it since it was read.
+        Raises WriteConflictError when another writer changed it since it was read. A try whose
+        write landed but whose answer was lost is told by the stored bytes being ``data``, so
+        documents of different writers must differ (the chain's carry the writer's owner record).
         """
         target = self.path(name)
 
@@ -119,8 +121,7 @@ class Storage:
                 return self._backend.write_if(target, data, version)
             except WriteConflictError:
                 # an earlier try that landed and lost its answer (this layer's retry, or the store
-                # client's own inside one try) conflicts with itself: the stored bytes tell. Two
-                # writers never write equal documents (the owner record differs).
+                # client's own inside one try) conflicts with itself: the stored bytes tell
                 cur, v = self._backend.read_versioned(target)
                 if cur == data:
                     return v

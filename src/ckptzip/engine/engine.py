@@ -137,6 +137,7 @@ class AsyncCheckpointEngine:
             try:
                 take_ownership(self._ctl, self.url, self.rank, options.takeover_timeout_s)
                 self.chain.check_writer()  # the chain's own fence: a live writer elsewhere owns it
+                self.chain.release()  # a claim of this process (a synchronous writer here) passes to the agent
                 self._pid = os.getpid()  # a forked child (DataLoader worker) must not close the parent's engine
                 self._cond = threading.Condition(threading.RLock())
                 self._pool = SlotPool(self.key, self.rank, self._ctl, options, self._cond)

@@ -9,7 +9,8 @@ when an engine opens::
     2. byte 1 held: the agent of a trainer that died; ask it to hand over (``takeover_pid``) and
        wait until it has committed what it held, released the chain (lease.py) and exited
     3. record our pid; the engine then applies the chain's own fence (``chain.check_writer()``,
-       the mechanism every writer shares): a live writer elsewhere also raises ChainBusyError
+       the mechanism every writer shares): a live writer elsewhere also raises ChainBusyError, and
+       a claim of this very process (a synchronous writer here) is released for the agent
 """
 from __future__ import annotations
 
