@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import struct
 import sys
-import threading
 
 import numpy as np
-import zstandard
 
 from ..errors import CorruptCheckpointError
+from .frames import zstd_compress, zstd_decompress
 
 try:  # optional fast path; the numpy reference is always available
     import numba as _numba
@@ -84,10 +83,9 @@ def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, le
             raise ValueError(f"prev has {prev.size} words, raw {words.size}")
     rotate = bool(float_bits and width > 1)
     planes = split_planes(words, rotate, prev)  # (width, n): MSB plane first
-    cctx = _compressor(level)
     parts = []
     for p in planes:
-        c = cctx.compress(p.data)
+        c = zstd_compress(p.data, level)
         parts.append(p.data if len(c) >= p.size else c)  # a plane zstd cannot shrink is stored raw
     lens = [len(c) | (_RAW if isinstance(c, memoryview) else 0) for c in parts]
     head = struct.pack(f"<BBQ{width}I", width, int(rotate), len(words), *lens)
@@ -108,39 +106,23 @@ def decompress(blob: bytes | memoryview) -> bytes:
     if end != len(blob):
         raise CorruptCheckpointError("byte-grouped blob has trailing bytes" if end < len(blob) else
                                      f"byte-grouped blob is truncated: {len(blob)} bytes, its planes need {end}")
-    dctx = zstandard.ZstdDecompressor()
     for i, ln in enumerate(lens):
         size = ln & ~_RAW
         chunk = blob[off:off + size]
         off += size
-        try:
-            # check the size a plane promises before allocating: a corrupt word count or frame
-            # header must not ask for terabytes (MemoryError is not a typed error)
-            promised = size if ln & _RAW else zstandard.frame_content_size(chunk)
-            if promised != n:
-                raise CorruptCheckpointError(f"byte plane {i} holds {promised} bytes, expected {n}")
-            p = bytes(chunk) if ln & _RAW else dctx.decompress(chunk, max_output_size=n)
-        except zstandard.ZstdError as e:
-            raise CorruptCheckpointError(f"byte plane {i} fails to decompress: {e}") from None
-        if len(p) != n:
-            raise CorruptCheckpointError(f"byte plane {i} has {len(p)} bytes, expected {n}")
+        # the size a plane promises is checked before allocating: a corrupt word count or frame
+        # header must not ask for terabytes (MemoryError is not a typed error)
+        if ln & _RAW:
+            if size != n:
+                raise CorruptCheckpointError(f"byte plane {i} holds {size} bytes, expected {n}")
+            p = bytes(chunk)
+        else:
+            p = zstd_decompress(chunk, max_bytes=n, exact=True, what=f"byte plane {i}")
         if i == 0:
             planes = np.empty((width, n), dtype=np.uint8)
         planes[i] = np.frombuffer(p, dtype=np.uint8)
     words = merge_planes(planes, bool(flags & 1), _UINT[width])
     return words.astype(_LE[width], copy=False).tobytes()
-
-
-_local = threading.local()
-
-
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    """One compressor per thread and level: building one per blob costs more than compressing a
-    small tensor's planes."""
-    cache = _local.__dict__.setdefault("cctx", {})
-    if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level)
-    return cache[level]
 
 
 _LE = {w: np.dtype(t).newbyteorder("<") for w, t in _UINT.items()}

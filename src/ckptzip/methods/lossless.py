@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codec import bytegroup
+from ..codec import stages as S
 from ..errors import CorruptCheckpointError
 from ..parallel import thread_map
 from ..state import FlatState, TensorRecord
@@ -55,7 +56,8 @@ class LosslessMethod(Method):
             xor = p is not None and p.dtype == t.dtype and p.shape == t.shape and t.numel() > 0
             data = bytegroup.compress(to_numpy_bits(t), t.element_size(), float_bits=t.is_floating_point(),
                                       level=level, prev=to_numpy_bits(p) if xor else None)
-            return ["lossless/1"] + (["xor/1"] if xor else []) + ["bytegroup/1"], data, t.clone()
+            pipeline = [S.LOSSLESS.descriptor] + ([S.XOR.descriptor] if xor else []) + [S.BYTEGROUP.descriptor]
+            return pipeline, data, t.clone()
 
         names = list(state.records)
         ref = {}
@@ -70,7 +72,7 @@ class LosslessMethod(Method):
         for name, rec in records.items():
             raw = bytegroup.decompress(encoded.blob(name, "data"))
             t = tensor_from_bytes(raw, rec.dtype, rec.shape)
-            if "xor/1" in encoded.records[name]["pipeline"]:
+            if S.XOR.descriptor in encoded.records[name]["pipeline"]:
                 p = reference.exact.get(name) if reference is not None else None
                 if p is None or p.shape != t.shape or p.dtype != t.dtype:
                     raise CorruptCheckpointError(f"record {name!r} is an XOR delta but its parent lacks it")
