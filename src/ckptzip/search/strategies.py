@@ -14,9 +14,11 @@ Per checkpoint (Inshrinkerator section 5), with a user ``eval_fn`` and ``thresho
   ``search.neighbourhood`` cube steps of the previous best (minus the more aggressive ones under
   ``search.policy="monotone"``), ordered by estimated ratio, are evaluated until the first
   feasible one: one evaluation while the previous best stays feasible.
-- **fallback**: nothing in the neighbourhood is feasible -> the exhaustive search again. If no
-  config at all passes, the least aggressive one (the cube's top corner, best group) is chosen
-  and the info says ``infeasible: True``.
+- **fallback**: nothing in the neighbourhood is feasible -> the exhaustive search again; under the
+  monotone policy only over the box between the previous best and the top corner (the paper
+  re-searches the whole cube; a config more aggressive than one that just failed is not what the
+  monotone rule would pick). If no config at all passes, the least aggressive one (the cube's top
+  corner, best group) is chosen and the info says ``infeasible: True``.
 
 The paper extends this search to its baselines (section 8.2, Tables 10-12), each with its own
 space: DynaQuant, QD, CNR and GOBO all run through this module. What a method must provide
@@ -208,21 +210,22 @@ class TrialRunner:
         self.judge.close()
 
 
-def _frontier(cube: ConfigCube, groups, answer) -> list[Candidate]:
+def _frontier(cube: ConfigCube, groups, answer, lo=None) -> list[Candidate]:
     """The sequential exhaustive search as a pure function of the feasibility answers: the
-    feasible candidates it evaluated, per group in order."""
+    feasible candidates it evaluated, per group in order (over the box [lo, top])."""
     out: list[Candidate] = []
     for g in groups:
         oracle = MonotoneOracle(lambda p, g=g: answer(cube.candidate(p, g)))
-        guided_search(cube.bottom, cube.top, oracle)
+        guided_search(cube.bottom if lo is None else lo, cube.top, oracle)
         out += [cube.candidate(p, g) for p in oracle.feasible]
     return out
 
 
-def exhaustive_search(runner: TrialRunner, cube: ConfigCube, groups) -> tuple[Trial, bool]:
-    """Guided exhaustive search per group; (best feasible trial by estimated ratio, infeasible?)."""
+def exhaustive_search(runner: TrialRunner, cube: ConfigCube, groups, *, lo=None) -> tuple[Trial, bool]:
+    """Guided exhaustive search per group over the box [lo, top] (the whole cube by default);
+    (best feasible trial by estimated ratio, infeasible?)."""
     def procedure(answer):
-        return _frontier(cube, groups, answer)
+        return _frontier(cube, groups, answer, lo)
 
     if runner.size > 1:  # rounds of speculative trials until the search can run from the cache
         while spec := speculate(procedure, lambda c: getattr(runner.cached(c), "feasible", None), runner.size):
@@ -299,7 +302,10 @@ def search_config(method, state, reference, ctx, search_state, *, group=None):
                 check_groups=since + 1 >= METRIC_CHECK_EVERY)
             kind = "neighbourhood" if best is not None else "fallback"
         if best is None:
-            best, infeasible = exhaustive_search(runner, cube, groups)
+            # under the monotone policy a fallback never goes below the previous best: it searches
+            # the box above it (fewer evaluations; the whole cube for "free" or without a previous best)
+            lo = cube.point(prev) if prev is not None and mcfg.search.policy == "monotone" else None
+            best, infeasible = exhaustive_search(runner, cube, groups, lo=lo)
     finally:
         runner.close()
     info = {"search": kind, "evals": runner.evals, "rounds": runner.rounds, "estimates": runner.n_estimates,
