@@ -1,0 +1,189 @@
+"""Where a compressed DCP checkpoint lives, and how a step is committed.
+
+Layout under one root (any fsspec URL)::
+
+    <root>/step-000000000100/rank-00000.ckz   one container per rank (format.py): that rank's shards
+    <root>/step-000000000100/rank-00001.ckz
+    <root>/step-000000000100/metadata.json    DCP metadata (JSON, no pickle) + a table of the rank files
+    <root>/step-000000000100/commit.json      written last, by the coordinator: the commit
+
+A save writes every rank's file, then (coordinator, in ``StorageWriter.finish``, which DCP calls
+only after every rank's ``write_data`` returned) metadata.json, then commit.json, which names
+metadata.json's SHA-256. A step without a valid commit.json does not exist for readers: a rank
+killed mid-save leaves at most files that no commit names, and the previous step stays the
+latest. commit.json is small (it lists the steps a restore of this step replays, for retention)
+so finding and judging steps costs one LIST plus one small GET per step, whatever the world size.
+
+Retention deletes a step by removing its commit.json first, then its files: a crash in between
+leaves an uncommitted folder (``orphans`` / ``gc``), never a committed step with missing files.
+
+Call order (writer): ``step_store(root, step)`` -> ranks ``write_atomic(rank_file(r))`` ->
+coordinator ``write_commit(...)`` -> ``apply_retention(...)``. Reader: ``latest_step`` or
+``read_commit`` -> ``read_metadata``.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+
+from ..chain import RetentionPolicy
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError
+from ..format import sha256
+from ..storage import Storage
+
+FORMAT = "ckptzip-dcp"
+VERSION = 1
+COMMIT = "commit.json"
+METADATA = "metadata.json"
+_STEP_RE = re.compile(r"^step-(\d{12})$")
+
+
+def step_dir(step: int) -> str:
+    return f"step-{int(step):012d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{int(rank):05d}.ckz"
+
+
+def dumps(obj) -> bytes:
+    """Canonical JSON (sorted keys, compact): what checksums are taken over."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+@dataclass(frozen=True)
+class Commit:
+    """The commit record of one step (commit.json)."""
+
+    step: int
+    world_size: int
+    metadata_sha256: str
+    metadata_nbytes: int
+    needs: tuple[int, ...]      # every step a restore of this one reads (its own included)
+    created_unix: float
+
+    def to_json(self) -> bytes:
+        return dumps({"format": FORMAT, "version": VERSION, "step": self.step, "world_size": self.world_size,
+                      "metadata_sha256": self.metadata_sha256, "metadata_nbytes": self.metadata_nbytes,
+                      "needs": list(self.needs), "created_unix": self.created_unix})
+
+    @classmethod
+    def from_json(cls, raw: bytes, where: str) -> "Commit":
+        try:
+            d = json.loads(raw)
+            if d.get("format") != FORMAT:
+                raise ValueError
+            if int(d.get("version", 0)) > VERSION:
+                raise CorruptCheckpointError(f"{where}: commit version {d['version']} is newer than this ckptzip "
+                                             "reads; upgrade ckptzip")
+            return cls(int(d["step"]), int(d["world_size"]), str(d["metadata_sha256"]), int(d["metadata_nbytes"]),
+                       tuple(int(s) for s in d["needs"]), float(d["created_unix"]))
+        except CorruptCheckpointError:
+            raise
+        except (ValueError, KeyError, TypeError):
+            raise CorruptCheckpointError(f"{where}: not a ckptzip DCP commit record (corrupt commit.json); "
+                                         "the step is unusable, load an earlier one") from None
+
+
+class Root:
+    """One root of compressed DCP checkpoints: step folders, commits, retention."""
+
+    def __init__(self, url, storage_options: dict | None = None):
+        self.url = str(url).rstrip("/")
+        self.storage_options = storage_options
+        self.store = Storage(self.url, storage_options)
+
+    def step_store(self, step: int) -> Storage:
+        return Storage(f"{self.url}/{step_dir(step)}", self.storage_options)
+
+    def where(self, step: int, name: str = "") -> str:
+        return f"{self.url}/{step_dir(step)}" + (f"/{name}" if name else "")
+
+    # --- listing ---------------------------------------------------------------------------
+    def step_folders(self) -> list[int]:
+        """Every step folder, committed or not, ascending."""
+        out = []
+        for name in self.store.list():
+            m = _STEP_RE.match(name)
+            if m:
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def committed_steps(self) -> list[int]:
+        return [s for s in self.step_folders() if self.step_store(s).exists(COMMIT)]
+
+    def latest_step(self) -> int:
+        for s in reversed(self.step_folders()):
+            if self.step_store(s).exists(COMMIT):
+                return s
+        raise IncompleteCheckpointError(f"{self.url}: no committed DCP checkpoint (no step folder with a "
+                                        f"{COMMIT}); save one first or check the root URL")
+
+    # --- commit ----------------------------------------------------------------------------
+    def read_commit(self, step: int) -> Commit:
+        st = self.step_store(step)
+        try:
+            raw = st.read(COMMIT)
+        except FileNotFoundError:
+            committed = self.committed_steps()
+            raise StepNotFoundError(f"step {step} is not committed under {self.url}; committed steps: "
+                                    f"{committed or 'none'}") from None
+        c = Commit.from_json(raw, self.where(step, COMMIT))
+        if c.step != step:
+            raise CorruptCheckpointError(f"{self.where(step, COMMIT)}: holds step {c.step}, folder says {step}")
+        return c
+
+    def read_metadata(self, step: int, commit: Commit | None = None) -> dict:
+        """metadata.json of a committed step, checked against its commit record."""
+        commit = commit or self.read_commit(step)
+        where = self.where(step, METADATA)
+        try:
+            raw = self.step_store(step).read(METADATA)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{where}: committed metadata is missing") from None
+        if sha256(raw) != commit.metadata_sha256:
+            raise CorruptCheckpointError(f"{where}: does not match the SHA-256 in its {COMMIT} (corrupt metadata)")
+        return json.loads(raw)
+
+    def write_commit(self, step: int, world_size: int, metadata: dict, needs) -> Commit:
+        """The coordinator's commit: metadata.json, then commit.json (atomic, last)."""
+        st = self.step_store(step)
+        st.makedirs()
+        raw = dumps(metadata)
+        st.write_atomic(METADATA, raw)
+        c = Commit(step, world_size, sha256(raw), len(raw), tuple(sorted(set(needs) | {step})), time.time())
+        st.write_atomic(COMMIT, c.to_json())
+        return c
+
+    # --- retention and cleanup ---------------------------------------------------------------
+    def retention_drops(self, policy: RetentionPolicy, latest: int) -> list[int]:
+        """Committed steps that ``policy`` lets go: never the latest, nor any step a kept one needs."""
+        if policy.keep_last is None and policy.keep_every is None:
+            return []
+        steps = [s for s in self.committed_steps() if s <= latest]
+        wanted = {latest}
+        if policy.keep_last is not None:
+            wanted |= set(steps[-policy.keep_last:])
+        if policy.keep_every is not None:
+            wanted |= {s for s in steps if s % policy.keep_every == 0}
+        needed: set[int] = set()
+        for s in wanted:
+            needed |= set(self.read_commit(s).needs)
+        return [s for s in steps if s not in needed]
+
+    def delete_step(self, step: int) -> None:
+        """Uncommit first (delete commit.json), then remove the folder."""
+        st = self.step_store(step)
+        st.delete(COMMIT)
+        try:
+            st.fs.rm(st.root, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def orphans(self, before: int | None = None) -> list[int]:
+        """Step folders without a commit (crashed or in-flight saves); only those older than
+        ``before`` when given (a newer one may be a save in flight)."""
+        return [s for s in self.step_folders() if (before is None or s < before)
+                and not self.step_store(s).exists(COMMIT)]

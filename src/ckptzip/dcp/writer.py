@@ -1,0 +1,244 @@
+"""``CompressedWriter``: a torch.distributed.checkpoint StorageWriter that writes ckptzip files.
+
+    dcp.save(state_dict, storage_writer=CompressedWriter(root, step=100, method="dynaquant"))
+    dcp.async_save(state_dict, storage_writer=CompressedWriter(root, step=200), process_group=pg)
+
+DCP calls, in order (storage.py): ``reset`` -> ``set_up_storage_writer`` (all ranks) ->
+``prepare_local_plan`` -> ``prepare_global_plan`` (coordinator: refuses a step that is not after
+the latest committed one) -> ``write_data`` (all ranks) -> ``finish`` (coordinator). In
+``write_data`` each rank
+
+1. turns its write items into a FlatState (shardstate.py: roles, parameter links, Adam facts);
+2. picks its reference: the state it wrote at its previous save, if that step is committed, the
+   rank's layout (world size, chunks) is unchanged and the keyframe policy allows a delta; after a
+   restart, rebuilt by replaying its own files; otherwise a keyframe;
+3. with ``eval_fn`` (and a synchronous save): runs the config search collectively (search.py);
+4. encodes through the method, with shared sketches merged across ranks (merge.py);
+5. writes ``step-N/rank-R.ckz`` (rankfile.py) and keeps the new reference for the next save.
+
+``finish`` writes metadata.json and commit.json (layout.py), then applies retention. References
+stay in this process between saves, keyed by (root, rank): a new writer per save (the usual DCP
+pattern) still writes deltas. One save in flight per root (wait for an async save's future before
+the next). The collectives of steps 3-4 run on ``process_group`` (default: the default group);
+with ``dcp.async_save`` pass the same group you give async_save, as DCP needs for its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..chain import KeyframePolicy, RetentionPolicy
+from ..errors import CkptzipError
+from ..format import sha256
+from ..methods.base import EncodeContext, Method, Reference, get_method
+from ..methods.searching import SearchingMethod
+from . import meta, merge, rankfile
+from .layout import COMMIT, Root, rank_file
+from .shardstate import ShardState, build_shard_state
+
+
+@dataclass
+class _RankMemory:
+    """What one rank keeps between saves to one root."""
+
+    step: int
+    sha256: str
+    layout: str
+    method: str                  # descriptor: a method change starts with a keyframe
+    chain: tuple[int, ...]       # steps a restore of ``step`` replays, keyframe first
+    reference: Reference
+    search_state: dict | None = None
+
+
+_MEMORY: dict[tuple[str, int], _RankMemory] = {}
+_MEMORY_LOCK = threading.Lock()
+
+
+def forget(root: str | None = None) -> None:
+    """Drop the references kept for ``root`` (every root when None); the next save is a keyframe
+    or replays the rank's files."""
+    with _MEMORY_LOCK:
+        for key in [k for k in _MEMORY if root is None or k[0] == str(root).rstrip("/")]:
+            del _MEMORY[key]
+
+
+class CompressedWriter(StorageWriter):
+    """See the module docstring. ``config``: the method's config (dataclass or dict); ``model``:
+    the live (FSDP) model, for layer types and, with ``eval_fn``, the collective config search."""
+
+    def __init__(self, root, step: int, method: str | Method = "lossless", config=None, *,
+                 keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
+                 storage_options: dict | None = None, model: torch.nn.Module | None = None,
+                 eval_fn=None, threshold: float = 0.01, higher_is_better: bool = False,
+                 process_group=None):
+        super().__init__()
+        self.root = Root(root, storage_options)
+        self.step = int(step)
+        if self.step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        self.method = method if isinstance(method, Method) else get_method(method, config)
+        self.keyframe = keyframe or KeyframePolicy()
+        self.retention = retention or RetentionPolicy()
+        self.model, self.eval_fn = model, eval_fn
+        self.threshold, self.higher_is_better = float(threshold), bool(higher_is_better)
+        self.process_group = process_group
+        self.rank, self.is_coordinator = 0, True
+        self.save_id = uuid.uuid4().hex
+
+    # --- DCP protocol --------------------------------------------------------------------
+    def reset(self, checkpoint_id=None) -> None:
+        if checkpoint_id:
+            self.root = Root(checkpoint_id, self.root.storage_options)
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        self.is_coordinator = bool(is_coordinator)
+        self.rank = int(kwargs.get("rank") or 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        committed = self.root.committed_steps()
+        if committed and self.step <= committed[-1]:
+            raise ValueError(f"step {self.step} is not after the latest committed step {committed[-1]} under "
+                             f"{self.root.url}; save increasing steps (or use a new root)")
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        group = merge.default_group(self.process_group)
+        world = group.size() if group is not None else 1
+        shard, ref, mem = merge.guarded(lambda: self._prepare(plan, planner, world), group, "preparing the save")
+        method, search_info = self._search(shard, ref, group)
+        ctx = EncodeContext(step=self.step)
+        (enc, new_ref), passes = merge.converge(lambda: method.encode(shard.flat, ref, ctx=ctx), group)
+        layout = shard.layout(world)
+        parent = mem.step if (mem is not None and not enc.keyframe) else None
+        data = rankfile.pack(shard, enc, method, step=self.step, rank=self.rank, world_size=world, layout=layout,
+                             parent_step=parent, parent_sha256=mem.sha256 if parent is not None else None)
+        st = self.root.step_store(self.step)
+        st.makedirs()
+        st.write_atomic(rank_file(self.rank), data)
+        chain = (mem.chain if parent is not None else ()) + (self.step,)
+        digest = sha256(data)
+        with _MEMORY_LOCK:
+            _MEMORY[(self.root.url, self.rank)] = _RankMemory(self.step, digest, layout, method.descriptor, chain,
+                                                              new_ref, getattr(method, "search_state", None))
+        info = {"rank": self.rank, "file": rank_file(self.rank), "sha256": digest, "nbytes": len(data),
+                "keyframe": bool(enc.keyframe), "parent": parent, "chain": list(chain), "layout": layout,
+                "raw_bytes": shard.raw_bytes(), "method": method.descriptor, "passes": passes,
+                "summary": {**enc.meta.get("summary", {}), **search_info}}
+        results = [WriteResult(index=item.index, size_in_bytes=item.tensor_storage_size() or 0,
+                               storage_data={"rank": self.rank, **({"file": info} if i == 0 else {})})
+                   for i, item in enumerate(plan.items)]
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        chunk_ranks, bytes_ranks, files = {}, {}, {}
+        for per_rank in results:
+            for wr in per_rank:
+                sd = wr.storage_data
+                if wr.index.offset is None:
+                    bytes_ranks[wr.index.fqn] = sd["rank"]
+                else:
+                    chunk_ranks[(wr.index.fqn, tuple(int(o) for o in wr.index.offset))] = sd["rank"]
+                if "file" in sd:
+                    files[sd["rank"]] = sd["file"]
+        doc = {"format": "ckptzip-dcp-metadata", "step": self.step, "world_size": len(results),
+               "ranks": [files[r] for r in sorted(files)], **meta.from_metadata(metadata, chunk_ranks, bytes_ranks)}
+        needs = {s for f in files.values() for s in f["chain"]}
+        self.root.write_commit(self.step, len(results), doc, needs)  # the commit
+        for s in self.root.retention_drops(self.retention, self.step) + self.root.orphans(before=self.step):
+            self.root.delete_step(s)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.root.url, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.root.url
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return False  # never chosen automatically: pass a CompressedWriter explicitly
+
+    # --- one rank's save ---------------------------------------------------------------------
+    def _prepare(self, plan: SavePlan, planner: SavePlanner, world: int):
+        shard = build_shard_state(plan.items, planner, model=self.model)
+        mem = self._reference(shard.layout(world), world)
+        if mem is None:
+            return shard, None, None
+        if len(mem.chain) >= self.keyframe.every or len(mem.chain) > self._max_replay():
+            return shard, None, None
+        return shard, mem.reference, mem
+
+    def _max_replay(self) -> int:
+        return self.keyframe.max_replay if self.keyframe.max_replay is not None else self.keyframe.every - 1
+
+    def _reference(self, layout: str, world: int) -> _RankMemory | None:
+        """The rank's previous save, if a delta against it is valid now (see the module docstring)."""
+        key = (self.root.url, self.rank)
+        with _MEMORY_LOCK:
+            mem = _MEMORY.get(key)
+        if mem is None:
+            mem = self._replay_own_files(layout)
+            if mem is not None:
+                with _MEMORY_LOCK:
+                    _MEMORY[key] = mem
+        if mem is None or mem.layout != layout or mem.method != self.method.descriptor:
+            return None
+        if not self.root.step_store(mem.step).exists(COMMIT):
+            return None  # that save never committed (a rank died): this one starts a keyframe
+        return mem
+
+    def _replay_own_files(self, layout: str) -> _RankMemory | None:
+        """After a restart: rebuild the reference from this rank's file of the latest committed step."""
+        committed = self.root.committed_steps()
+        if not committed:
+            return None
+        last = committed[-1]
+        try:
+            doc = self.root.read_metadata(last)
+            entry = next((f for f in doc["ranks"] if f["rank"] == self.rank), None)
+            if entry is None or entry["layout"] != layout or entry["method"] != self.method.descriptor:
+                return None
+            rf, ref = rankfile.replay(self.root, last, self.rank, entry["sha256"])
+        except CkptzipError:
+            return None  # unreadable history: a keyframe is always correct
+        state = (entry.get("summary") or {}).get("search_state")
+        if isinstance(self.method, SearchingMethod):
+            self.method.resume(rf.manifest.get("method_meta", {}))
+        return _RankMemory(last, entry["sha256"], layout, entry["method"], tuple(entry["chain"]), ref, state)
+
+    def _search(self, shard: ShardState, ref, group) -> tuple[Method, dict]:
+        """The method for this save: the configured one, or with the knobs a collective search chose."""
+        method = self.method
+        if not (isinstance(method, SearchingMethod) and self.eval_fn is not None and self.model is not None
+                and method.config.search):
+            return method, {}
+        if threading.current_thread() is not threading.main_thread():
+            return method, {"search": "off", "reason": "asynchronous save: the live model keeps training"}
+        from .search import search_knobs
+
+        with _MEMORY_LOCK:
+            mem = _MEMORY.get((self.root.url, self.rank))
+        prior = mem.search_state if mem is not None else None
+        t0 = time.perf_counter()
+        knobs, info, state = search_knobs(method, shard, ref, model=self.model, eval_fn=self.eval_fn,
+                                          threshold=self.threshold, higher_is_better=self.higher_is_better,
+                                          step=self.step, search_state=prior, group=group)
+        chosen = get_method(method.descriptor, dataclasses.replace(method.config, **knobs, search=False))
+        chosen.search_state = state
+        return chosen, {**info, "search_state": state, "search_s": round(time.perf_counter() - t0, 3)}
+
