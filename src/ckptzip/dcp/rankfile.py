@@ -125,6 +125,11 @@ def _read(root: Root, step: int, rank: int, want_sha: str | None, why: str) -> b
     return data
 
 
+def check_file(root: Root, step: int, rank: int, sha: str | None) -> dict:
+    """Read one rank file, check its checksum and container; returns its manifest (no decode)."""
+    return _parse(_read(root, step, rank, sha, "committed"), root.where(step, rank_file(rank)), step, rank).manifest
+
+
 def replay(root: Root, step: int, rank: int, sha: str | None, *, device="cpu",
            methods: dict | None = None) -> tuple[RankFile, object]:
     """Decode rank ``rank``'s file of ``step`` (checksum ``sha``), replaying from its keyframe.
