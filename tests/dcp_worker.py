@@ -4,12 +4,12 @@
 
 Scenarios (each rank writes ``<out>/<scenario>-r<rank>.json``):
   save    train a few AdamW steps; at each save step write the same state three ways: ckptzip
-          lossless, ckptzip dynaquant (sketches merged across ranks), plain DCP (the oracle)
+          lossless, ckptzip dynaquant (sketches merged across ranks, config searched collectively
+          with eval_fn = validation loss of the FSDP model), plain DCP (the oracle)
   load    a fresh FSDP2 model + optimizer at this world size; load the lossless root and the plain
           DCP checkpoint; every local shard must be bit-identical
   kill    commit step 1, then rank 1 SIGKILLs itself after writing its step-2 file (before the
           commit); the survivors' dcp.save must fail
-  search  dynaquant with eval_fn: the config search runs collectively on the sharded model
 """
 import datetime
 import json
@@ -137,22 +137,23 @@ def main(scenario, rank, world, port, args):
     data = text()
     if scenario == "save":
         model, opt = build(world, seed=0)
+        vb = batch(data, 999, n=16)
+
+        @torch.no_grad()
+        def eval_fn(m):  # under FSDP: a collective forward on every rank
+            return float(loss_of(m, vb))
+
         for step in range(1, args["steps"] + 1):
             loss_of(model, batch(data, step)).backward()
             opt.step()
             opt.zero_grad()
             if step in args["save_at"]:
                 sd = state_of(model, opt)
-                import time
-                t0 = time.time()
                 dcp.save(sd, storage_writer=CompressedWriter(args["lossless"], step=step, method="lossless"))
-                t1 = time.time()
                 dcp.save(sd, storage_writer=CompressedWriter(args["dynaquant"], step=step, method="dynaquant",
-                                                             model=model))
-                t2 = time.time()
+                                                             model=model, eval_fn=eval_fn, threshold=0.01))
                 dcp.save(sd, checkpoint_id=f"{args['plain']}/{step}")
-                print("TIMES", rank, step, t1 - t0, t2 - t1, time.time() - t2, file=sys.stderr)
-        out["val_loss"] = val_loss(model, data)
+        out["val_loss"] = eval_fn(model)
     elif scenario == "load":
         model, opt = build(world, seed=1)
         loss_of(model, batch(data, 0)).backward()
@@ -165,29 +166,13 @@ def main(scenario, rank, world, port, args):
         out["differ"] = [k for k in a if not bits_equal(a[k], b[k])]
         out["n_tensors"] = len(a)
         out["loop"] = ours["loop"]
-    elif scenario == "search":
-        model, opt = build(world, seed=0)
-        vb = batch(data, 999, n=16)
-
-        @torch.no_grad()
-        def eval_fn(m):
-            return float(loss_of(m, vb))
-
-        for step in range(1, args["steps"] + 1):
-            loss_of(model, batch(data, step)).backward()
-            opt.step()
-            opt.zero_grad()
-            if step in args["save_at"]:
-                sd = state_of(model, opt)
-                dcp.save(sd, storage_writer=CompressedWriter(args["root"], step=step, method="dynaquant", model=model,
-                                                             eval_fn=eval_fn, threshold=args["threshold"]))
-                dcp.save(sd, checkpoint_id=f"{args['plain']}/{step}")
-        out["val_loss"] = eval_fn(model)
     elif scenario == "kill":
         model, opt = build(world, seed=0)
         loss_of(model, batch(data, 1)).backward()
         opt.step()
-        dcp.save(state_of(model, opt), storage_writer=CompressedWriter(args["root"], step=1))
+        sd = state_of(model, opt)
+        dcp.save(sd, storage_writer=CompressedWriter(args["root"], step=1))
+        dcp.save(sd, checkpoint_id=f"{args['plain']}/1")
 
         class DyingWriter(CompressedWriter):
             def write_data(self, plan, planner):

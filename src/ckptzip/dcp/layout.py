@@ -151,7 +151,7 @@ class Root:
         """The coordinator's commit: metadata.json, then commit.json (atomic, last)."""
         st = self.step_store(step)
         st.makedirs()
-        raw = dumps(metadata)
+        raw = json.dumps(metadata, separators=(",", ":"), allow_nan=False).encode()  # keeps the state's key order
         st.write_atomic(METADATA, raw)
         c = Commit(step, world_size, sha256(raw), len(raw), tuple(sorted(set(needs) | {step})), time.time())
         st.write_atomic(COMMIT, c.to_json())

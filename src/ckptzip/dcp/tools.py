@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -46,8 +47,14 @@ def _saved(obj) -> io.BytesIO:
 def load_full(url, step: int | None = None, *, storage_options: dict | None = None) -> dict:
     """The whole state of ``step`` (latest when None), every tensor whole, in one process."""
     state: dict = {}
-    _load_state_dict(state, storage_reader=CompressedReader(url, step, storage_options=storage_options),
-                     planner=_SafePlanner(), no_dist=True)
+    try:
+        _load_state_dict(state, storage_reader=CompressedReader(url, step, storage_options=storage_options),
+                         planner=_SafePlanner(), no_dist=True)
+    except CheckpointException as e:  # DCP wraps every error; ours say what is wrong and where
+        ours = [exc for exc, _ in e.failures.values() if isinstance(exc, CkptzipError)]
+        if ours:
+            raise ours[0] from None
+        raise
     return state
 
 
