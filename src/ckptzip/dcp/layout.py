@@ -104,6 +104,7 @@ class Root:
     # --- listing ---------------------------------------------------------------------------
     def step_folders(self) -> list[int]:
         """Every step folder, committed or not, ascending."""
+        self.store.fs.invalidate_cache(self.store.root)  # object stores cache listings per client
         out = []
         for name in self.store.list():
             m = _STEP_RE.match(name)
@@ -162,7 +163,7 @@ class Root:
         """Committed steps that ``policy`` lets go: never the latest, nor any step a kept one needs."""
         if policy.keep_last is None and policy.keep_every is None:
             return []
-        steps = [s for s in self.committed_steps() if s <= latest]
+        steps = sorted({s for s in self.committed_steps() if s <= latest} | {latest})
         wanted = {latest}
         if policy.keep_last is not None:
             wanted |= set(steps[-policy.keep_last:])

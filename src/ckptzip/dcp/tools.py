@@ -46,6 +46,9 @@ def _saved(obj) -> io.BytesIO:
 
 def load_full(url, step: int | None = None, *, storage_options: dict | None = None) -> dict:
     """The whole state of ``step`` (latest when None), every tensor whole, in one process."""
+    root = Root(url, storage_options)
+    step = root.latest_step() if step is None else step
+    root.read_metadata(step)  # typed errors for a missing or corrupt step, before DCP wraps them
     state: dict = {}
     try:
         _load_state_dict(state, storage_reader=CompressedReader(url, step, storage_options=storage_options),
