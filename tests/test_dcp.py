@@ -1,7 +1,6 @@
 """ckptzip.dcp in one process (DCP without a process group): layout, commit, deltas, keyframes,
 retention, restart, async_save, fsspec roots (memory://, S3 via moto), non-tensor items, tools."""
 import uuid
-import warnings
 
 import pytest
 import torch
@@ -18,7 +17,8 @@ from ckptzip.errors import (CorruptCheckpointError, IncompleteCheckpointError, S
 from helpers import assert_same
 from test_storage_s3 import s3_endpoint  # noqa: F401 - the moto S3 server fixture
 
-warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 
 
 @pytest.fixture(autouse=True)

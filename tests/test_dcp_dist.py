@@ -26,6 +26,8 @@ from ckptzip.errors import CorruptCheckpointError
 from ckptzip.format import decode_container
 from helpers import assert_same
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 WORKER = pathlib.Path(__file__).with_name("dcp_worker.py")
 SRC = pathlib.Path(__file__).parents[1] / "src"
 

@@ -23,6 +23,7 @@ coordinator ``write_commit(...)`` -> ``apply_retention(...)``. Reader: ``latest_
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
 import time
@@ -96,7 +97,11 @@ class Root:
         self.store = Storage(self.url, storage_options)
 
     def step_store(self, step: int) -> Storage:
-        return Storage(f"{self.url}/{step_dir(step)}", self.storage_options)
+        """The step folder as a Storage sharing the root's filesystem client (one client per root:
+        creating an object-store client costs far more than a request)."""
+        st = copy.copy(self.store)
+        st.root, st.url = f"{self.store.root}/{step_dir(step)}", f"{self.url}/{step_dir(step)}"
+        return st
 
     def where(self, step: int, name: str = "") -> str:
         return f"{self.url}/{step_dir(step)}" + (f"/{name}" if name else "")
@@ -112,12 +117,17 @@ class Root:
                 out.append(int(m.group(1)))
         return sorted(out)
 
+    def is_committed(self, step: int) -> bool:
+        st = self.step_store(step)
+        st.fs.invalidate_cache(st.root)  # another process may have committed since we last looked
+        return st.exists(COMMIT)
+
     def committed_steps(self) -> list[int]:
-        return [s for s in self.step_folders() if self.step_store(s).exists(COMMIT)]
+        return [s for s in self.step_folders() if self.is_committed(s)]
 
     def latest_step(self) -> int:
         for s in reversed(self.step_folders()):
-            if self.step_store(s).exists(COMMIT):
+            if self.is_committed(s):
                 return s
         raise IncompleteCheckpointError(f"{self.url}: no committed DCP checkpoint (no step folder with a "
                                         f"{COMMIT}); save one first or check the root URL")
@@ -187,4 +197,4 @@ class Root:
         """Step folders without a commit (crashed or in-flight saves); only those older than
         ``before`` when given (a newer one may be a save in flight)."""
         return [s for s in self.step_folders() if (before is None or s < before)
-                and not self.step_store(s).exists(COMMIT)]
+                and not self.is_committed(s)]

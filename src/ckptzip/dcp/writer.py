@@ -42,7 +42,7 @@ from ..format import sha256
 from ..methods.base import EncodeContext, Method, Reference, get_method
 from ..methods.searching import SearchingMethod
 from . import meta, merge, rankfile
-from .layout import COMMIT, Root, rank_file
+from .layout import Root, rank_file
 from .shardstate import ShardState, build_shard_state
 
 
@@ -198,7 +198,7 @@ class CompressedWriter(StorageWriter):
                     _MEMORY[key] = mem
         if mem is None or mem.layout != layout or mem.method != self.method.descriptor:
             return None
-        if not self.root.step_store(mem.step).exists(COMMIT):
+        if not self.root.is_committed(mem.step):
             return None  # that save never committed (a rank died): this one starts a keyframe
         return mem
 
