@@ -153,10 +153,10 @@ def test_bad_input_and_missing_steps(tmp_path):
         dcp.save(t.state(), storage_writer=CompressedWriter(tmp_path, step=5))
     with pytest.raises(StepNotFoundError, match="step 7 is not committed.*committed steps: \\[5\\]"):
         tools.load_full(tmp_path, 7)
-    (tmp_path / "step-000000000005" / "metadata.json").write_text("{}")
-    with pytest.raises(CorruptCheckpointError, match="metadata.json: does not match"):
+    (tmp_path / "step-000000000005" / "metadata.json.zst").write_bytes(b"{}")
+    with pytest.raises(CorruptCheckpointError, match="metadata.json.zst: does not match"):
         tools.load_full(tmp_path)
-    assert any("metadata.json" in p for p in tools.verify(tmp_path))
+    assert any("metadata.json.zst" in p for p in tools.verify(tmp_path))
 
 
 class Opaque:

@@ -107,6 +107,20 @@ def gather_round(items: Sequence, fn: Callable[[object], Sequence[float]], *, wi
     return [x[1:] for x in rows[:len(items)]]
 
 
+def broadcast_bytes(data: bytes, nbytes: int, group, src: int = 0) -> bytes:
+    """Group rank ``src``'s ``data`` on every rank (the others pass b"" and the length they were told)."""
+    import torch.distributed as dist
+
+    dev = _device(group)
+    if dist.get_rank(group) == src:
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if nbytes else torch.empty(0, dtype=torch.uint8)
+    else:
+        t = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    if nbytes:
+        dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
+    return t.cpu().numpy().tobytes()
+
+
 # --- shared sketches ---------------------------------------------------------------------------
 
 _SHARING: contextvars.ContextVar = contextvars.ContextVar("ckptzip_sketch_sharing", default=None)

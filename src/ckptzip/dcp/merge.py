@@ -78,6 +78,25 @@ def guarded(fn: Callable[[], object], group, what: str):
     return out
 
 
+def from_first_rank(fn: Callable[[], bytes], group, what: str) -> bytes:
+    """``fn()`` run by group rank 0 only, its bytes broadcast to every rank (one object-store read
+    instead of one per rank); rank 0's error is raised on every rank."""
+    if group is None:
+        return fn()
+    err, data = None, b""
+    if group.rank() == 0:
+        try:
+            data = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            err = e
+    n = dist.broadcast_floats([-1.0 if err is not None else float(len(data))], group)[0]
+    if err is not None:
+        raise err
+    if n < 0:
+        raise RuntimeError(f"{what} failed on rank 0; see its traceback")
+    return dist.broadcast_bytes(data, int(n), group)
+
+
 def converge(fn: Callable[[], object], group, *, what: str = "sharded encode"):
     """``fn()`` with every shared sketch merged over ``group`` (see the module docstring).
     Returns (fn's result of the last pass, number of passes)."""

@@ -16,6 +16,7 @@ deserializes them; ``ckptzip restore`` uses a planner that refuses anything but 
 from __future__ import annotations
 
 import io
+import struct
 import uuid
 
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -26,12 +27,13 @@ from torch.futures import Future
 
 from ..errors import CorruptCheckpointError
 from . import meta, merge, rankfile
-from .layout import Root
+from .layout import METADATA, Root, parse_metadata
 
 
 class CompressedReader(StorageReader):
-    """See the module docstring. ``step=None``: the latest step committed when the load starts
-    (with a process group, the newest step every rank sees committed)."""
+    """See the module docstring. ``step=None``: the latest step committed when the load starts.
+    With a process group, rank 0 reads the commit and metadata and broadcasts them (one object-store
+    read per load, not one per rank)."""
 
     def __init__(self, root, step: int | None = None, *, storage_options: dict | None = None,
                  device: str = "cpu", process_group=None):
@@ -51,24 +53,24 @@ class CompressedReader(StorageReader):
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        step = self.step if self.step is not None else self._agreed_latest()
-        commit = self.root.read_commit(step)
-        doc = self.root.read_metadata(step, commit)
-        md, self._ranks = meta.to_metadata(doc, self.root.where(step))
+        if kwargs.get("rank") is not None:  # DCP's fallback to per-rank metadata, which we never write
+            raise FileNotFoundError(f"{self.root.url}: ckptzip writes one metadata per step, none per rank")
+        group = merge.default_group(self.process_group)
+        payload = merge.from_first_rank(self._read_step, group, "reading the checkpoint metadata")
+        step, raw = struct.unpack("<q", payload[:8])[0], payload[8:]
+        where = self.root.where(step, METADATA)
+        doc = parse_metadata(raw, where)
+        md, self._ranks = meta.to_metadata(doc, where)
         self._files = {int(f["rank"]): f["sha256"] for f in doc["ranks"]}
         md.storage_meta = md.storage_meta or StorageMeta()
         md.storage_meta.load_id = self.load_id
         self.loaded_step = step
         return md
 
-    def _agreed_latest(self) -> int:
-        group = merge.default_group(self.process_group)
-        latest = merge.guarded(self.root.latest_step, group, "finding the latest committed step")
-        if group is None:
-            return latest
-        from .. import dist
-
-        return int(-dist.all_reduce_max([-latest], group)[0])  # a save may commit while ranks look
+    def _read_step(self) -> bytes:
+        """(rank 0) The step to load and its verified metadata bytes."""
+        step = self.step if self.step is not None else self.root.latest_step()
+        return struct.pack("<q", step) + self.root.read_metadata_bytes(step)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         if not self._ranks:

@@ -16,7 +16,7 @@ the latest committed one) -> ``write_data`` (all ranks) -> ``finish`` (coordinat
 4. encodes through the method, with shared sketches merged across ranks (merge.py);
 5. writes ``step-N/rank-R.ckz`` (rankfile.py) and keeps the new reference for the next save.
 
-``finish`` writes metadata.json and commit.json (layout.py), then applies retention. References
+``finish`` writes the metadata and commit.json (layout.py), then applies retention. References
 stay in this process between saves, keyed by (root, rank): a new writer per save (the usual DCP
 pattern) still writes deltas. One save in flight per root (wait for an async save's future before
 the next). The collectives of steps 3-4 run on ``process_group`` (default: the default group);
@@ -120,7 +120,9 @@ class CompressedWriter(StorageWriter):
         shard, ref, mem = merge.guarded(lambda: self._prepare(plan, planner, world), group, "preparing the save")
         method, search_info = self._search(shard, ref, group)
         ctx = EncodeContext(step=self.step)
+        t0 = time.perf_counter()
         (enc, new_ref), passes = merge.converge(lambda: method.encode(shard.flat, ref, ctx=ctx), group)
+        encode_s = time.perf_counter() - t0
         layout = shard.layout(world)
         parent = mem.step if (mem is not None and not enc.keyframe) else None
         data = rankfile.pack(shard, enc, method, step=self.step, rank=self.rank, world_size=world, layout=layout,
@@ -135,7 +137,7 @@ class CompressedWriter(StorageWriter):
                                                               new_ref, getattr(method, "search_state", None))
         info = {"rank": self.rank, "file": rank_file(self.rank), "sha256": digest, "nbytes": len(data),
                 "keyframe": bool(enc.keyframe), "parent": parent, "chain": list(chain), "layout": layout,
-                "raw_bytes": shard.raw_bytes(), "method": method.descriptor, "passes": passes,
+                "raw_bytes": shard.raw_bytes(), "method": method.descriptor, "passes": passes, "encode_s": round(encode_s, 3),
                 "summary": {**enc.meta.get("summary", {}), **search_info}}
         results = [WriteResult(index=item.index, size_in_bytes=item.tensor_storage_size() or 0,
                                storage_data={"rank": self.rank, **({"file": info} if i == 0 else {})})
