@@ -110,9 +110,9 @@ def test_encoder_reference_equals_decoder_reference(digits_snapshots, name, conf
         flat = flatten_state(st, model, opt)
         enc, ref_e = enc_m.encode(flat, ref_e, ctx=EncodeContext(step=step))
         out, ref_d = dec_m.decode(flat.records, enc, ref_d, ctx=DecodeContext(step=step))
-        assert set(ref_e.data["w"]) == set(ref_d.data["w"]) == {f"model/{p}" for p in PARAMS}
-        for n, w in ref_e.data["w"].items():
-            assert torch.equal(w, ref_d.data["w"][n]) and torch.equal(out[n], w), (step, n)
+        assert set(ref_e.weights) == set(ref_d.weights) == {f"model/{p}" for p in PARAMS}
+        for n, w in ref_e.weights.items():
+            assert torch.equal(w, ref_d.weights[n]) and torch.equal(out[n], w), (step, n)
         assert all(not r["blobs"] for r in enc.records.values()) or name == "excp-fixed"
     if name == "excp":
         assert set(enc.blobs) == {"payload"}  # one LZMA payload, records only point into it

@@ -51,8 +51,8 @@ Per-record pipelines and blobs (all integers little-endian)::
 
 Method-level meta: ``{"bitsnap": {"base_step", "delta_index"}, "summary": {...}}``; delta_index is
 0 for a base and 1.. for its deltas, so a restarted writer rebuilds the count from the file alone.
-The reference is ``Reference(base_step, {"base": {name: CPU copy of the base's exact model
-states}, "count": deltas written against it})``; the optimizer state is never kept.
+The reference is ``BitSnapReference(base_step, base={name: CPU copy of the base's exact model
+states}, count=deltas written against it)``; the optimizer state is never kept.
 
 Call order (see methods/base.py)::
 
@@ -64,6 +64,7 @@ Call order (see methods/base.py)::
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,17 @@ class BitSnapConfig:
             raise ConfigError(f"zstd_level must be an int in [1, 22], got {self.zstd_level!r}")
         if self.payload_codec not in PAYLOAD_CODECS:
             raise ConfigError(f"payload_codec must be one of {PAYLOAD_CODECS}, got {self.payload_codec!r}")
+
+
+@dataclass(frozen=True)
+class BitSnapReference(Reference):
+    """The base checkpoint's exact model states (CPU copies) and the deltas written against it."""
+
+    base: Mapping[str, torch.Tensor]
+    count: int
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        return iter(self.base.values())
 
 
 def is_model_state(rec: TensorRecord) -> bool:
@@ -155,6 +167,8 @@ class BitSnapMethod(Method):
         n_model = n_changed = 0
         quantized = []
         guarded = []  # (exp_avg record, its exp_avg_sq record)
+        v_of = {p.moments["exp_avg"]: p.moments["exp_avg_sq"] for p in state.params().values()
+                if "exp_avg" in p.moments and "exp_avg_sq" in p.moments}
         new_base = {} if keyframe else base
         for name, rec in state.records.items():
             t = state.tensors[name]
@@ -174,8 +188,8 @@ class BitSnapMethod(Method):
                     encode_exact(enc, name, t, level=cfg.zstd_level)  # inf/NaN moments: keep them as they are
                     continue
                 pipeline = ["bitsnap/1", cluster8.DESCRIPTOR]
-                v_name = name.rpartition("/")[0] + "/exp_avg_sq"
-                if cfg.adam_guard and rec.role == "exp_avg" and v_name in state.records:
+                v_name = v_of.get(name)
+                if cfg.adam_guard and v_name is not None:
                     pipeline.append("zero-if/1")
                     meta["zero_if_zero"] = v_name
                     guarded.append((name, v_name))
@@ -193,17 +207,16 @@ class BitSnapMethod(Method):
             summary.update(kinds, changed_frac=round(n_changed / n_model, 6) if n_model else 0.0,
                            payload_codec=cfg.payload_codec)
         enc.meta = {"bitsnap": {"base_step": base_step, "delta_index": count}, "summary": summary}
-        return enc, Reference(base_step, {"base": new_base, "count": count})
+        return enc, BitSnapReference(base_step, new_base, count)
 
     @staticmethod
     def _unpack_reference(reference: Reference | None) -> tuple[dict | None, int]:
         if reference is None:
             return None, 0
-        data = reference.data
-        if not isinstance(data, dict) or not isinstance(data.get("base"), dict) or "count" not in data:
+        if not isinstance(reference, BitSnapReference):
             raise ConfigError("bitsnap was given a reference it did not make; pass the Reference its "
                               "encode/decode returned, or None for a base checkpoint")
-        return data["base"], int(data["count"])
+        return reference.base, reference.count
 
     @staticmethod
     def _fits(base: dict, models: dict[str, TensorRecord], state: FlatState) -> bool:
@@ -281,8 +294,8 @@ class BitSnapMethod(Method):
                                                  "but that record is missing or has another shape")
                 out[name] = out[name].masked_fill(v == 0, 0)
         if encoded.keyframe:
-            return out, Reference(ctx.step, {"base": base, "count": 0})
-        return out, Reference(base_step, {"base": base, "count": count})
+            return out, BitSnapReference(ctx.step, base, 0)
+        return out, BitSnapReference(base_step, base, count)
 
     @staticmethod
     def _decode_delta(encoded: Encoded, name: str, rec: TensorRecord, base: torch.Tensor) -> torch.Tensor:

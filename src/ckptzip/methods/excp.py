@@ -28,9 +28,8 @@ nearest keyframe (the paper's Algorithm 3); the chain's KeyframePolicy starts a 
   authors rebuild the optimizer from the base checkpoint and load only the moments. Deltas store
   no ``step`` tensors (decoded as the keyframe's values, kept in the reference), and the delta's
   optimizer ``param_groups`` (lr, betas, weight decay, ...) are replaced by the keyframe's in the
-  file's skeleton. NOTE: the method interface gives ``decode`` no access to the skeleton, so the
-  encoder rewrites ``state.skeleton`` (a new object; the old one is not mutated) before the chain
-  writes it.
+  file's skeleton (``Encoded.skeleton``: the chain stores it instead of the state's; the input
+  state is never modified).
 - final stage: xz (LZMA2, preset 9 | extreme) over the whole checkpoint payload.
 
 ``excp-fixed`` -- ours, beside it: fp32 codebooks; step counts and lr from the checkpoint itself;
@@ -78,7 +77,8 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -106,6 +106,20 @@ KEYFRAME_FORMAT = "excp-keyframe/1"  # joint meta of a fixed keyframe's parts (n
 CODERS = ("ans", "huffman", "xz", "zstd")
 _STAGE = "<payload stage>"           # placeholder until the payload's stage is chosen
 _PARENT = {"m": "dw", "v": "m"}      # v's support lies in m's, m's in dW's (eq. 6 nests the masks)
+
+
+@dataclass(frozen=True)
+class ExcpReference(Reference):
+    """The reconstructed weights W~ (residuals are taken against them); ``excp`` also keeps the
+    base's step tensors and param_groups, which its deltas restore (see the module docstring)."""
+
+    weights: Mapping[str, torch.Tensor]
+    base: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    groups: object = None
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        yield from self.weights.values()
+        yield from self.base.values()
 
 
 @dataclass(frozen=True)
@@ -294,7 +308,7 @@ class ExcpMethod(Method):
     config_cls = ExcpConfig
 
     def encode(self, state: FlatState, reference: Reference | None, *, ctx: EncodeContext) -> tuple[Encoded, Reference]:
-        prev = reference.data if reference is not None else None
+        prev = reference
         enc = Encoded(keyframe=prev is None)
         spans = _Spans()
         weights = _weight_records(state.records)
@@ -303,14 +317,14 @@ class ExcpMethod(Method):
                 enc.add(name, [RAW, XZ], {"span": spans.add(tensor_to_bytes(t))})
             groups = copy.deepcopy(_param_groups(state.skeleton))
             enc.meta["excp"] = {"base_param_groups": groups}
-            ref = {"w": {n: _clone(state.tensors[n]) for n in weights},
-                   "base": {n: _clone(t) for n, t in state.tensors.items() if state.records[n].role == "step"},
-                   "groups": groups}
+            ref = ExcpReference(ctx.step, {n: _clone(state.tensors[n]) for n in weights},
+                                {n: _clone(t) for n, t in state.tensors.items() if state.records[n].role == "step"},
+                                groups)
         else:
             new_w, facts = {}, []
             for wname, (mname, vname) in adam_parameters(state.records).items():
                 w = state.tensors[wname]
-                w_prev = prev["w"].get(wname)
+                w_prev = prev.weights.get(wname)
                 if w_prev is None or w_prev.shape != w.shape or w_prev.dtype != w.dtype:
                     continue  # no reconstructed weights to take a residual from: exact below
                 blobs, tmeta = encode_tensor(residual(w, w_prev.to(w.device)), state.tensors[mname],
@@ -322,7 +336,7 @@ class ExcpMethod(Method):
                 dw_hat = decode_tensor(blobs, tmeta, device=w.device)[0]  # what the decoder will add
                 new_w[wname] = apply_residual(w_prev.to(w.device), dw_hat)
                 facts.append(tmeta["prune"])
-            base = prev["base"]
+            base = prev.base
             for name, t in state.tensors.items():
                 if name in enc.records:
                     continue
@@ -333,19 +347,19 @@ class ExcpMethod(Method):
                     enc.add(name, [RAW, XZ], {"span": spans.add(tensor_to_bytes(t))})
                     if name in weights:
                         new_w[name] = _clone(t)
-            state.skeleton, patched = _with_base_groups(state.skeleton, prev["groups"])
+            enc.skeleton, patched = _with_base_groups(state.skeleton, prev.groups)
             enc.meta["excp"] = {"param_groups_from_base": patched}
             enc.meta["summary"] = _summary(facts)
-            ref = {"w": {n: new_w[n] for n in weights}, "base": base, "groups": prev["groups"]}
+            ref = ExcpReference(ctx.step, {n: new_w[n] for n in weights}, base, prev.groups)
         raw = spans.getvalue()
         enc.blobs[PAYLOAD] = lzma_compress(raw)
         enc.meta["payload"] = {"stage": XZ, "raw_bytes": len(raw)}
-        return enc, Reference(ctx.step, ref)
+        return enc, ref
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
         raw = _payload(encoded)
-        prev = reference.data if reference is not None else None
+        prev = reference
         if not encoded.keyframe and prev is None:
             raise CorruptCheckpointError("ExCP delta checkpoint decoded without its parent's reference")
         out: dict[str, torch.Tensor] = {}
@@ -357,7 +371,7 @@ class ExcpMethod(Method):
             if kind == RAW:
                 out[name] = tensor_from_bytes(_cut(raw, meta.get("span"), name), rec.dtype, rec.shape).to(ctx.device)
             elif kind == RESIDUAL and prev is not None:
-                w_prev = prev["w"].get(name)
+                w_prev = prev.weights.get(name)
                 spans = meta.get("spans")
                 if w_prev is None or not isinstance(spans, dict):
                     raise CorruptCheckpointError(f"record {name!r} is an ExCP residual; its parent lacks the weights")
@@ -366,7 +380,7 @@ class ExcpMethod(Method):
                 out[name] = _check(name, apply_residual(w_prev.to(ctx.device), dw), rec)
                 moments[name] = (m, v)
             elif kind == FROM_BASE and prev is not None:
-                b = prev["base"].get(name)
+                b = prev.base.get(name)
                 if b is None:
                     raise CorruptCheckpointError(f"record {name!r} takes the keyframe's value; the keyframe lacks it")
                 out[name] = _check(name, b.clone().to(ctx.device), rec)
@@ -378,11 +392,9 @@ class ExcpMethod(Method):
         weights = _weight_records(records)
         if prev is None:
             groups = (encoded.meta.get("excp") or {}).get("base_param_groups")
-            ref = {"w": {n: out[n] for n in weights}, "groups": groups,
-                   "base": {n: out[n] for n, r in records.items() if r.role == "step"}}
-        else:
-            ref = {"w": {n: out[n] for n in weights}, "base": prev["base"], "groups": prev["groups"]}
-        return out, Reference(ctx.step, ref)
+            return out, ExcpReference(ctx.step, {n: out[n] for n in weights},
+                                      {n: out[n] for n, r in records.items() if r.role == "step"}, groups)
+        return out, ExcpReference(ctx.step, {n: out[n] for n in weights}, prev.base, prev.groups)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -589,7 +601,7 @@ class ExcpFixedMethod(Method):
     def encode(self, state: FlatState, reference: Reference | None, *, ctx: EncodeContext) -> tuple[Encoded, Reference]:
         cfg = self.config
         tcfg = cfg.tensor_config()
-        prev = reference.data if reference is not None else None
+        prev = reference
         enc = Encoded(keyframe=prev is None)
         spans = _Spans()
         streams = _StreamWriter(cfg.bits)
@@ -609,7 +621,7 @@ class ExcpFixedMethod(Method):
                          "parts": {p: {"mode": part.mode, "nnz": int(part.support.sum())} for p, part in parts.items()}}
                 first = KMEANS
             else:
-                w_prev = prev["w"].get(wname)
+                w_prev = prev.weights.get(wname)
                 if w_prev is None or w_prev.shape != w.shape or w_prev.dtype != w.dtype:
                     continue  # new parameter: exact below, residuals from the next save on
                 blobs, tmeta = encode_tensor(residual(w, w_prev.to(w.device)), m, v, tcfg)
@@ -650,7 +662,7 @@ class ExcpFixedMethod(Method):
         enc.meta.update(payload={"stage": stage, "raw_bytes": len(raw)}, streams=smeta,
                         summary={**_summary(facts), "coders": ",".join(f"{p}={smeta[p]['coder']}" for p in smeta),
                                  "payload_stage": stage})
-        return enc, Reference(ctx.step, {"w": {n: new_w[n] for n in _weight_records(state.records)}})
+        return enc, ExcpReference(ctx.step, {n: new_w[n] for n in _weight_records(state.records)})
 
     def _exact(self, enc: Encoded, spans: _Spans, name: str, t: torch.Tensor, meta: dict, force_blob: bool = False):
         """Large floats: own byte-grouped blob; the rest raw into the payload (its stage compresses them)."""
@@ -663,7 +675,7 @@ class ExcpFixedMethod(Method):
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
         raw = _payload(encoded)
-        prev = reference.data if reference is not None else None
+        prev = reference
         if not encoded.keyframe and prev is None:
             raise CorruptCheckpointError("ExCP delta checkpoint decoded without its parent's reference")
         if CODES not in encoded.blobs:
@@ -688,7 +700,7 @@ class ExcpFixedMethod(Method):
                 raise CorruptCheckpointError(f"record {name!r} has pipeline {pipe} that excp-fixed cannot decode")
         streams.check_consumed()
         _moments(later, moments, out)
-        return out, Reference(ctx.step, {"w": {n: out[n] for n in _weight_records(records)}})
+        return out, ExcpReference(ctx.step, {n: out[n] for n in _weight_records(records)})
 
     def _decode_joint(self, name, rec, pipe, tmeta, raw, streams, encoded, prev, ctx):
         """One parameter: its weight and (m^, v^)."""
@@ -715,7 +727,7 @@ class ExcpFixedMethod(Method):
                 raise CorruptCheckpointError(f"record {name!r} has bits={bits}, shape={shape}; expected "
                                              f"{self.config.bits}, {tuple(rec.shape)}")
             if tmeta["format"] == TENSOR_FORMAT:  # delta: the shared tensor core decodes it
-                w_prev = prev["w"].get(name) if prev is not None else None
+                w_prev = prev.weights.get(name) if prev is not None else None
                 if w_prev is None or pipe[0] != RESIDUAL or set(parts) != set(PARTS):
                     raise CorruptCheckpointError(f"record {name!r} is an ExCP residual; its parent lacks the weights")
                 blobs = {}
