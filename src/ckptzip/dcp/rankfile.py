@@ -58,7 +58,7 @@ def pack(shard: ShardState, enc: Encoded, method: Method, *, step: int, rank: in
         "keyframe": bool(enc.keyframe), "parent_step": None if enc.keyframe else parent_step,
         "parent_sha256": None if enc.keyframe else parent_sha256,
         "method": method.descriptor, "config": method.config_dict(), "method_meta": enc.meta,
-        "skeleton": flat.skeleton, "extra": flat.extra, "records": records,
+        "skeleton": flat.skeleton if enc.skeleton is None else enc.skeleton, "extra": flat.extra, "records": records,
         "chunks": {n: c.to_json() for n, c in shard.chunks.items()}, "aliases": shard.aliases,
         "context": shard.context, "io": io_table, "chunk_sha256": shard.chunk_sha256,
         "raw_bytes": shard.raw_bytes(),

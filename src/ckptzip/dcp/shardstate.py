@@ -3,20 +3,21 @@
 DCP flattens the state dict to dotted FQNs (``model.wte.weight``, ``optim.state.wte.weight.exp_avg``,
 ``optim.param_groups.0.betas``) and gives each rank write items: tensor chunks (its DTensor
 shards, or whole replicated tensors that DCP's dedup assigned to it) and bytes items (pickled
-non-tensor values). The records follow the names ``state.flatten_state`` gives a single-process
-state, so every method treats a shard as it treats a tensor:
+non-tensor values). Records are named by FQN (the same on every rank, so the shards of one tensor
+share a name: dist.shared_sketch keys on it) and typed so every method treats a shard as it treats
+a tensor (``FlatState.params()``):
 
-- optimizer entries ``<opt>.state.<param>.<role>`` -> ``optimizer/state/<i>/<role>`` with the role
-  (exp_avg, exp_avg_sq, step, ...) and ``param`` = the parameter FQN; ``i`` is the parameter's
-  position in the optimizer's param_groups, the same on every rank (FSDP2's ``get_state_dict``
-  keys optimizer state by parameter FQN, not by index);
-- the tensor ``<prefix>.<param>`` of a parameter that has optimizer state -> a ``weight`` record
-  linked to the same ``param`` (so moments are linked to their weight shards); other float
-  tensors are weights too, ``running_mean``/``running_var``/integer tensors buffers;
+- optimizer entries ``<opt>.state.<param>.<role>`` get their role (exp_avg, exp_avg_sq, step, ...)
+  and ``param`` = the parameter FQN (FSDP2's ``get_state_dict`` keys optimizer state by FQN, not by
+  index); the skeleton's ``optimizer.state`` lists them per parameter, ``optimizer.param_groups``
+  the groups' hyperparameters (betas, eps, lr, ...), read from the planner's state dict;
+- the tensor ``<prefix>.<param>`` of a parameter with optimizer state -> a ``weight`` record with
+  the same ``param`` (so moments are linked to their weight shards); other float tensors are
+  weights too, ``running_mean``/``running_var``/integer tensors buffers;
 - layer types from the live model when given, else guessed from the FQN and shape;
-- the Adam hyperparameters (betas, eps) and the step counters a moment codec needs are read from
-  the planner's state dict even where DCP's dedup gave those items to another rank: the step
-  counters become *context* records (encoded, never served to a load);
+- step counters that DCP's dedup gave to another rank are read from the planner's state dict
+  (every rank holds them) and kept as *context* records: encoded (Adam's m needs the step), never
+  served to a load;
 - tensors that share storage (a tied ``lm_head``/``wte``) are stored once, the second as an alias.
 
 ``ShardState.chunks`` maps each record to the DCP chunk it holds: (fqn, offsets, sizes).
@@ -86,8 +87,8 @@ class _Links:
             if m:
                 self.groups.setdefault((m["opt"], int(m["group"])), {})[m["key"]] = v
         for (_, _), g in sorted(self.groups.items()):
-            for p in g.get("params", []) or []:
-                if isinstance(p, str) and p not in seen:
+            for p in map(str, g.get("params", []) or []):  # FQNs (FSDP2) or indices (DCP keys them "0", ...)
+                if p not in seen:
                     seen.add(p)
                     self.params.append(p)
         for fqn in sd:  # optimizers whose param_groups do not name parameters (index keys)
@@ -97,11 +98,11 @@ class _Links:
                 self.params.append(m["param"])
         self.index = {p: i for i, p in enumerate(self.params)}
         self.ltypes = layer_types(model) if model is not None else {}
-        self.steps = {}  # param -> its step counter (every rank's planner holds all of them)
+        self.steps = {}  # param -> (fqn, its step counter): every rank's planner holds all of them
         for fqn, v in sd.items():
             m = _OPT_STATE.match(fqn)
             if m and m["role"] == "step" and isinstance(v, torch.Tensor):
-                self.steps[m["param"]] = v
+                self.steps[m["param"]] = (fqn, v)
 
     def param_of(self, fqn: str) -> str | None:
         """The longest parameter FQN that ``fqn`` ends with (``model.wte.weight`` -> ``wte.weight``)."""
@@ -115,32 +116,34 @@ class _Links:
     def layer_type(self, param: str, t: torch.Tensor) -> str:
         return self.ltypes.get(param) or _guess_layer(param, t)
 
-    def skeleton(self) -> dict:
-        """The optimizer facts a moment codec reads (flatten_state's skeleton shape)."""
+    def skeleton(self, records: dict[str, TensorRecord]) -> dict:
+        """flatten_state's skeleton shape for the optimizer: per parameter its moment and step
+        records, per param_group the hyperparameters (what ``FlatState.params()`` reads)."""
+        state: dict = {}
+        for name, rec in records.items():
+            if rec.param is not None and (rec.role in MOMENT_ROLES or rec.role == "step"):
+                state.setdefault(rec.param, {})[rec.role] = {"__t": "tensor", "ref": name}
         groups = []
-        for (opt, _), g in sorted(self.groups.items()):
-            entry: dict = {"params": [self.index[p] for p in g.get("params", []) or [] if p in self.index]}
+        for (_, _), g in sorted(self.groups.items()):
+            entry: dict = {"params": [str(p) for p in g.get("params", []) or []]}
             betas = g.get("betas")
             if isinstance(betas, tuple | list) and len(betas) == 2:
                 entry["betas"] = {"__t": "tuple", "v": [float(b) for b in betas]}
-            for k in ("eps", "lr", "weight_decay"):
+            for k in ("eps", "lr", "weight_decay", "momentum"):
                 if isinstance(g.get(k), int | float) and not isinstance(g.get(k), bool):
                     entry[k] = float(g[k])
             groups.append(entry)
-        return {"optimizer": {"param_groups": groups}} if groups else {}
+        return {"optimizer": {"state": state, "param_groups": groups}} if state or groups else {}
 
 
-def _record_name(fqn: str, t: torch.Tensor, links: _Links) -> tuple[str, str, str | None]:
-    """(record name, role, param) for a tensor FQN."""
+def _role(fqn: str, t: torch.Tensor, links: _Links) -> tuple[str, str | None]:
+    """(role, param) of a tensor FQN."""
     m = _OPT_STATE.match(fqn)
-    if m and m["param"] in links.index and (m["role"] in MOMENT_ROLES or m["role"] == "step"):
-        return f"optimizer/state/{links.index[m['param']]}/{m['role']}", m["role"], m["param"]
     if m:
-        return f"tensor/{fqn}", m["role"], None
-    param = links.param_of(fqn)
-    key = param or fqn.split(".", 1)[-1]
+        known = m["param"] in links.index and (m["role"] in MOMENT_ROLES or m["role"] == "step")
+        return m["role"], m["param"] if known else None
     weight = t.is_floating_point() and not fqn.endswith(_BUFFER_SUFFIXES)
-    return f"model/{fqn}", "weight" if weight else "buffer", key
+    return "weight" if weight else "buffer", links.param_of(fqn) or fqn.split(".", 1)[-1]
 
 
 def _local(t):
@@ -168,7 +171,8 @@ def build_shard_state(items: list[WriteItem], planner: SavePlanner, *,
         t = planner.resolve_data(item).detach()
         td = item.tensor_data
         chunk = Chunk(fqn, tuple(int(o) for o in td.chunk.offsets), tuple(int(s) for s in td.chunk.sizes))
-        name, role, param = _record_name(fqn, t, links)
+        name = fqn
+        role, param = _role(fqn, t, links)
         if name in chunks:  # several chunks of one FQN on this rank (ShardedTensor layouts)
             name = f"{name}@{','.join(map(str, chunk.offsets))}"
         chunks[name] = chunk
@@ -186,7 +190,7 @@ def build_shard_state(items: list[WriteItem], planner: SavePlanner, *,
         if checksums:
             sums[name] = hashlib.sha256(to_numpy_bits(t).data).hexdigest()
     context = _context_steps(records, tensors, links)
-    flat = FlatState(tensors, records, links.skeleton(), {"param_link": "dcp"})
+    flat = FlatState(tensors, records, links.skeleton(records), {"param_link": "dcp"})
     return ShardState(flat, chunks, aliases, context, io_items, sums)
 
 
@@ -197,9 +201,8 @@ def _context_steps(records: dict, tensors: dict, links: _Links) -> list[str]:
     for rec in list(records.values()):
         if rec.role not in MOMENT_ROLES or rec.param is None:
             continue
-        name = f"optimizer/state/{links.index[rec.param]}/step"
-        v = links.steps.get(rec.param)
-        if name in records or v is None:
+        name, v = links.steps.get(rec.param, (None, None))
+        if v is None or name in records:
             continue
         t = _local(v).detach().cpu().clone()
         records[name] = TensorRecord(name, "step", dtype_name(t.dtype), tuple(t.shape), "other", rec.param)

@@ -40,7 +40,7 @@ from ..chain import KeyframePolicy, RetentionPolicy
 from ..errors import CkptzipError
 from ..format import sha256
 from ..methods.base import EncodeContext, Method, Reference, get_method
-from ..methods.searching import SearchingMethod
+from ..methods.quantizing import QuantizingMethod
 from . import meta, merge, rankfile
 from .layout import Root, rank_file
 from .shardstate import ShardState, build_shard_state
@@ -137,7 +137,8 @@ class CompressedWriter(StorageWriter):
                                                               new_ref, getattr(method, "search_state", None))
         info = {"rank": self.rank, "file": rank_file(self.rank), "sha256": digest, "nbytes": len(data),
                 "keyframe": bool(enc.keyframe), "parent": parent, "chain": list(chain), "layout": layout,
-                "raw_bytes": shard.raw_bytes(), "method": method.descriptor, "passes": passes, "encode_s": round(encode_s, 3),
+                "raw_bytes": shard.raw_bytes(), "method": method.descriptor, "passes": passes,
+                "encode_s": round(encode_s, 3),
                 "summary": {**enc.meta.get("summary", {}), **search_info}}
         results = [WriteResult(index=item.index, size_in_bytes=item.tensor_storage_size() or 0,
                                storage_data={"rank": self.rank, **({"file": info} if i == 0 else {})})
@@ -219,15 +220,15 @@ class CompressedWriter(StorageWriter):
         except CkptzipError:
             return None  # unreadable history: a keyframe is always correct
         state = (entry.get("summary") or {}).get("search_state")
-        if isinstance(self.method, SearchingMethod):
+        if isinstance(self.method, QuantizingMethod):
             self.method.resume(rf.manifest.get("method_meta", {}))
         return _RankMemory(last, entry["sha256"], layout, entry["method"], tuple(entry["chain"]), ref, state)
 
     def _search(self, shard: ShardState, ref, group) -> tuple[Method, dict]:
         """The method for this save: the configured one, or with the knobs a collective search chose."""
         method = self.method
-        if not (isinstance(method, SearchingMethod) and self.eval_fn is not None and self.model is not None
-                and method.config.search):
+        if not (isinstance(method, QuantizingMethod) and self.eval_fn is not None and self.model is not None
+                and method.config.search.enabled):
             return method, {}
         if threading.current_thread() is not threading.main_thread():
             return method, {"search": "off", "reason": "asynchronous save: the live model keeps training"}
@@ -240,7 +241,10 @@ class CompressedWriter(StorageWriter):
         knobs, info, state = search_knobs(method, shard, ref, model=self.model, eval_fn=self.eval_fn,
                                           threshold=self.threshold, higher_is_better=self.higher_is_better,
                                           step=self.step, search_state=prior, group=group)
-        chosen = get_method(method.descriptor, dataclasses.replace(method.config, **knobs, search=False))
+        cfg = method.config  # the knobs chosen, the search off: this save's fixed config
+        chosen = get_method(method.descriptor, dataclasses.replace(
+            cfg, quantizer=dataclasses.replace(cfg.quantizer, **knobs),
+            search=dataclasses.replace(cfg.search, enabled=False)))
         chosen.search_state = state
         return chosen, {**info, "search_state": state, "search_s": round(time.perf_counter() - t0, 3)}
 
