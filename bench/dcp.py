@@ -45,6 +45,45 @@ warnings.filterwarnings("ignore")
 METHODS = ("dcp", "dcp+zstd", "lossless", "dynaquant")
 
 
+def _counting_fs():
+    """``countfile://`` -- a local folder with object-store semantics (no rename: whole-object PUTs)
+    that counts requests per kind, so each rank can report what a save and a load cost it."""
+    import collections
+
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    class CountingFS(LocalFileSystem):
+        protocol = "countfile"
+        calls = collections.Counter()
+
+        def __init__(self, **kw):
+            super().__init__(auto_mkdir=True, **kw)
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return super()._strip_protocol(str(path).removeprefix("countfile://"))
+
+        def ls(self, path, detail=False, **kw):
+            self.calls["LIST"] += 1
+            return super().ls(path, detail=detail, **kw)
+
+        def exists(self, path, **kw):
+            self.calls["HEAD"] += 1
+            return super().exists(path)
+
+        def _open(self, path, mode="rb", **kw):
+            self.calls["GET" if "r" in mode else "PUT"] += 1
+            return super()._open(path, mode, **kw)
+
+        def rm_file(self, path):
+            self.calls["DELETE"] += 1
+            return super().rm_file(path)
+
+    fsspec.register_implementation("countfile", CountingFS, clobber=True)
+    return CountingFS.calls
+
+
 # --- the workload ---------------------------------------------------------------------------------
 def workload(args):
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -136,7 +175,8 @@ def rank_main(args):
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world, timeout=datetime.timedelta(minutes=30))
     build, batch, val_loss, _ = workload(args)
     out = pathlib.Path(args.out)
-    roots = {m: str(out / m.replace("+", "_")) for m in METHODS}
+    calls = _counting_fs()
+    roots = {m: ("" if m.startswith("dcp") else "countfile://") + str(out / m.replace("+", "_")) for m in METHODS}
     result: dict = {"saves": [], "loads": {}}
     if args.phase == "train":
         model = shard(build(0), args.world)
@@ -151,8 +191,10 @@ def rank_main(args):
             k = step // args.every
             for method in METHODS[k % 4:] + METHODS[:k % 4]:  # rotating order: no method always goes first
                 dist.barrier()
+                calls.clear()
                 w, c = timed(lambda: dcp.save(sd, storage_writer=writer(method, roots[method], step, model, val_loss)))
-                result["saves"].append({"step": step, "method": method, "wall_s": w, "cpu_s": c})
+                result["saves"].append({"step": step, "method": method, "wall_s": w, "cpu_s": c,
+                                        "requests": dict(calls)})
         result["val_loss_exact"] = val_loss(model)
     loaded = {}
     for method in ("dcp",) + METHODS:  # the first load (untimed, overwritten) warms imports and the group  # loads at this world size (train: W; reshard: 2), into a fresh model
@@ -162,8 +204,9 @@ def rank_main(args):
         opt.step()
         sd = state_of(model, opt)
         dist.barrier()
+        calls.clear()
         w, c = timed(lambda: dcp.load(sd, storage_reader=reader(method, roots[method], args.steps)))
-        result["loads"][method] = {"wall_s": w, "cpu_s": c}
+        result["loads"][method] = {"wall_s": w, "cpu_s": c, "requests": dict(calls)}
         if args.phase == "reshard" and method in ("dcp", "lossless"):
             loaded[method] = _flat_dict(sd)
     if args.phase == "reshard":
@@ -245,7 +288,16 @@ def report(args, train: list[dict], reshard: list[dict]) -> dict:
     first["model"]["lm_head.weight"] = first["model"]["transformer.wte.weight"]  # tied, as live
     torch.distributed.checkpoint.save(first, storage_writer=CompressedWriter(single, step=steps[0], method="dynaquant",
                                                                             config=knobs))
+    last_meta = {m: Root(out / m).read_metadata(steps[-1])["ranks"] for m in ("lossless", "dynaquant")}
     res = {
+        "requests_last_save": {m: [next(x["requests"] for x in r["saves"] if x["method"] == m and x["step"] == steps[-1])
+                                   for r in train] for m in ("lossless", "dynaquant")},
+        "requests_load": {m: [r["loads"][m]["requests"] for r in train] for m in ("lossless", "dynaquant")},
+        "requests_load_2": {m: [r["loads"][m]["requests"] for r in reshard] for m in ("lossless", "dynaquant")},
+        "reference_bytes": {m: [f.get("reference_bytes") for f in last_meta[m]] for m in last_meta},
+        "rank_raw_bytes": {m: [f["raw_bytes"] for f in last_meta[m]] for m in last_meta},
+        "dynaquant_passes": [f.get("passes") for f in last_meta["dynaquant"]],
+        "dynaquant_encode_s": [f.get("encode_s") for f in last_meta["dynaquant"]],
         "world": args.world, "steps": steps, "params": sum(v.numel() for v in plain[steps[-1]]["model"].values()),
         "bytes": size, "lossless_equal_plain_dcp_all_steps": lossless_equal,
         "reshard_to_2_identical": all(r["reshard_identical"] for r in reshard),
@@ -289,8 +341,54 @@ def print_report(r: dict) -> None:
           f"reshard {r['world']} -> 2 bit-identical: {r['reshard_to_2_identical']}")
     print(f"dynaquant reloaded: held-out val loss {vq:.4f} vs exact {ve:.4f} ({(vq - ve) / ve * 100:+.2f} %); "
           f"first search {r['dynaquant_first_search']}; knobs {r['dynaquant_knobs']}")
+    for m in ("lossless", "dynaquant"):
+        print(f"{m}: requests per rank, last save {r['requests_last_save'][m]}; load at world W "
+              f"{r['requests_load'][m]}, at world 2 {r['requests_load_2'][m]}; reference kept per rank "
+              f"{[round(b / 1e6, 2) for b in r['reference_bytes'][m]]} MB of {[round(b / 1e6, 2) for b in r['rank_raw_bytes'][m]]} MB")
+    print(f"dynaquant sharded encode: passes {r['dynaquant_passes']}, encode s {r['dynaquant_encode_s']}")
     print(f"first checkpoint (keyframe) dynaquant: sharded {r['bytes']['dcp'][first] / r['bytes']['dynaquant'][first]:.2f}x"
           f", single process with the same knobs {r['bytes']['dcp'][first] / r['single_process_first_bytes']:.2f}x")
+
+
+def metadata_scale(worlds=(8, 64, 1000), n_params: int = 291) -> None:
+    """Metadata size for a Llama-7B-shaped AdamW state (291 parameters of 4096 x 4096 / 11008;
+    weight, exp_avg, exp_avg_sq each split FSDP-style on dim 0): ckptzip's zstd'd JSON against the
+    pickled ``Metadata`` DCP's FileSystemWriter writes for the same chunks (with its storage_data)."""
+    import pickle
+    import secrets
+
+    import zstandard
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    print("| world | tensors x chunks | ckptzip metadata (JSON) | stored (zstd) | DCP .metadata (pickle) |")
+    print("|---|---|---|---|---|")
+    for world in worlds:
+        tensors, sdm, storage = {}, {}, {}
+        for i in range(n_params):
+            rows, cols = (4096, 11008) if i % 3 else (4096, 4096)
+            per = -(-rows // world)
+            ch = [(r * per, min(per, rows - r * per), r) for r in range(world) if r * per < rows]
+            for fqn in (f"model.layers.{i // 9}.p{i}.weight", f"optim.state.layers.{i // 9}.p{i}.weight.exp_avg",
+                        f"optim.state.layers.{i // 9}.p{i}.weight.exp_avg_sq"):
+                tensors[fqn] = {"dtype": "float32", "size": [rows, cols],
+                                "chunks": [[[o, 0], [n, cols], r] for o, n, r in ch]}
+                sdm[fqn] = TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([rows, cols]),
+                                                 [ChunkStorageMetadata(torch.Size([o, 0]), torch.Size([n, cols]))
+                                                  for o, n, _ in ch])
+                for o, n, r in ch:
+                    storage[MetadataIndex(fqn, [o, 0])] = _StorageInfo(f"__{r}_0.distcp", 123_456 * o, n * cols * 4)
+        ranks = [{"rank": r, "file": f"rank-{r:05d}.ckz", "sha256": secrets.token_hex(32), "nbytes": 10**8 + r,
+                  "keyframe": False, "parent": 100, "chain": [100, 200], "layout": secrets.token_hex(16),
+                  "raw_bytes": 3 * 10**8 + r, "method": "dynaquant/2", "passes": 5, "encode_s": 1.234,
+                  "reference_bytes": 10**7 + r, "summary": {"bins": 8, "search": "neighbourhood"}}
+                 for r in range(world)]
+        ours = json.dumps({"tensors": tensors, "ranks": ranks}, separators=(",", ":")).encode()
+        theirs = pickle.dumps(Metadata(sdm, storage_data=storage))
+        stored = zstandard.ZstdCompressor(level=3).compress(ours)
+        print(f"| {world} | {len(tensors)} x {world} | {len(ours) / 1e6:.2f} MB | {len(stored) / 1e6:.3f} MB | "
+              f"{len(theirs) / 1e6:.2f} MB |")
 
 
 def main():
@@ -304,12 +402,16 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--out", default=None, help="working folder (default: a temp folder, removed)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--only", choices=("run", "metadata"), default=None,
+                   help="metadata: only the metadata-size table at 8 / 64 / 1,000 ranks (no training)")
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.phase is not None:
         return rank_main(args)
+    if args.only == "metadata":
+        return metadata_scale()
     keep = args.out is not None
     args.out = args.out or tempfile.mkdtemp(prefix="ckptzip-bench-dcp-")
     pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -320,6 +422,9 @@ def main():
         r = report(args, train, reshard)
         r["bench_s"] = round(time.time() - t0, 1)
         print_report(r)
+        if args.only is None:
+            print()
+            metadata_scale()
         if args.json:
             json.dump(r, open(args.json, "w"), indent=1)
     finally:

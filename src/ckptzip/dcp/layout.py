@@ -20,9 +20,9 @@ differ only in their offsets), so zstd keeps it small: 17.8 MB of JSON -> about 
 Retention deletes a step by removing its commit.json first, then its files: a crash in between
 leaves an uncommitted folder (``orphans`` / ``gc``), never a committed step with missing files.
 
-Call order (writer): ``step_store(root, step)`` -> ranks ``write_atomic(rank_file(r))`` ->
-coordinator ``write_commit(...)`` -> ``apply_retention(...)``. Reader: ``latest_step`` or
-``read_commit`` -> ``read_metadata``.
+Call order (writer): ranks ``step_store(step).write_atomic(rank_file(r), ...)`` -> coordinator
+``write_commit(...)`` -> ``delete_step`` for each of ``retention_drops(...)`` and ``orphans(...)``.
+Reader: ``latest_step`` (or a given step) -> ``read_commit`` -> ``read_metadata``.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ COMMIT = "commit.json"
 METADATA = "metadata.json.zst"
 _MAX_METADATA = 1 << 32  # a decompressed metadata document larger than this is not ours
 _STEP_RE = re.compile(r"^step-(\d{12})$")
+_RAISE = object()
 
 
 def step_dir(step: int) -> str:
@@ -138,10 +139,14 @@ class Root:
     def committed_steps(self) -> list[int]:
         return [s for s in self.step_folders() if self.is_committed(s)]
 
-    def latest_step(self) -> int:
+    def latest_step(self, default=_RAISE) -> int:
+        """The newest committed step (one LIST, then one HEAD per folder from the newest down);
+        ``default`` instead of raising when there is none."""
         for s in reversed(self.step_folders()):
             if self.is_committed(s):
                 return s
+        if default is not _RAISE:
+            return default
         raise IncompleteCheckpointError(f"{self.url}: no committed DCP checkpoint (no step folder with a "
                                         f"{COMMIT}); save one first or check the root URL")
 
@@ -210,8 +215,9 @@ class Root:
         except FileNotFoundError:
             pass
 
-    def orphans(self, before: int | None = None) -> list[int]:
-        """Step folders without a commit (crashed or in-flight saves); only those older than
-        ``before`` when given (a newer one may be a save in flight)."""
+    def orphans(self, before: int | None = None, after: int | None = None) -> list[int]:
+        """Step folders without a commit (crashed or in-flight saves), strictly between ``after``
+        and ``before`` when given (a newer one may be a save in flight; a writer only looks above
+        the step it last saw committed, so a save costs no request per older folder)."""
         return [s for s in self.step_folders() if (before is None or s < before)
-                and not self.is_committed(s)]
+                and (after is None or s > after) and not self.is_committed(s)]

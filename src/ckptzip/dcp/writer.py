@@ -92,6 +92,7 @@ class CompressedWriter(StorageWriter):
         self.threshold, self.higher_is_better = float(threshold), bool(higher_is_better)
         self.process_group = process_group
         self.rank, self.is_coordinator = 0, True
+        self._previous: int | None = None  # the latest committed step when this save was planned
         self.save_id = uuid.uuid4().hex
 
     # --- DCP protocol --------------------------------------------------------------------
@@ -108,9 +109,9 @@ class CompressedWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        committed = self.root.committed_steps()
-        if committed and self.step <= committed[-1]:
-            raise ValueError(f"step {self.step} is not after the latest committed step {committed[-1]} under "
+        self._previous = latest = self.root.latest_step(default=None)
+        if latest is not None and self.step <= latest:
+            raise ValueError(f"step {self.step} is not after the latest committed step {latest} under "
                              f"{self.root.url}; save increasing steps (or use a new root)")
         return plans
 
@@ -139,6 +140,7 @@ class CompressedWriter(StorageWriter):
                 "keyframe": bool(enc.keyframe), "parent": parent, "chain": list(chain), "layout": layout,
                 "raw_bytes": shard.raw_bytes(), "method": method.descriptor, "passes": passes,
                 "encode_s": round(encode_s, 3),
+                "reference_bytes": sum(t.numel() * t.element_size() for t in new_ref.tensors()),
                 "summary": {**enc.meta.get("summary", {}), **search_info}}
         results = [WriteResult(index=item.index, size_in_bytes=item.tensor_storage_size() or 0,
                                storage_data={"rank": self.rank, **({"file": info} if i == 0 else {})})
@@ -162,7 +164,8 @@ class CompressedWriter(StorageWriter):
                "ranks": [files[r] for r in sorted(files)], **meta.from_metadata(metadata, chunk_ranks, bytes_ranks)}
         needs = {s for f in files.values() for s in f["chain"]}
         self.root.write_commit(self.step, len(results), doc, needs)  # the commit
-        for s in self.root.retention_drops(self.retention, self.step) + self.root.orphans(before=self.step):
+        stale = self.root.orphans(before=self.step, after=self._previous)
+        for s in self.root.retention_drops(self.retention, self.step) + stale:
             self.root.delete_step(s)
 
     def storage_meta(self) -> StorageMeta | None:
@@ -207,10 +210,9 @@ class CompressedWriter(StorageWriter):
 
     def _replay_own_files(self, layout: str) -> _RankMemory | None:
         """After a restart: rebuild the reference from this rank's file of the latest committed step."""
-        committed = self.root.committed_steps()
-        if not committed:
+        last = self.root.latest_step(default=None)
+        if last is None:
             return None
-        last = committed[-1]
         try:
             doc = self.root.read_metadata(last)
             entry = next((f for f in doc["ranks"] if f["rank"] == self.rank), None)
