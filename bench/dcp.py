@@ -287,13 +287,13 @@ def report(args, train: list[dict], reshard: list[dict]) -> dict:
     first = plain[steps[0]]
     first["model"]["lm_head.weight"] = first["model"]["transformer.wte.weight"]  # tied, as live
     torch.distributed.checkpoint.save(first, storage_writer=CompressedWriter(single, step=steps[0], method="dynaquant",
-                                                                            config=knobs))
+                                                                            config={"quantizer": knobs}))
     last_meta = {m: Root(out / m).read_metadata(steps[-1])["ranks"] for m in ("lossless", "dynaquant")}
     res = {
-        "requests_last_save": {m: [next(x["requests"] for x in r["saves"] if x["method"] == m and x["step"] == steps[-1])
-                                   for r in train] for m in ("lossless", "dynaquant")},
-        "requests_load": {m: [r["loads"][m]["requests"] for r in train] for m in ("lossless", "dynaquant")},
-        "requests_load_2": {m: [r["loads"][m]["requests"] for r in reshard] for m in ("lossless", "dynaquant")},
+        "requests_last_save": {m: [next(x.get("requests") for x in r["saves"] if x["method"] == m
+                                        and x["step"] == steps[-1]) for r in train] for m in ("lossless", "dynaquant")},
+        "requests_load": {m: [r["loads"][m].get("requests") for r in train] for m in ("lossless", "dynaquant")},
+        "requests_load_2": {m: [r["loads"][m].get("requests") for r in reshard] for m in ("lossless", "dynaquant")},
         "reference_bytes": {m: [f.get("reference_bytes") for f in last_meta[m]] for m in last_meta},
         "rank_raw_bytes": {m: [f["raw_bytes"] for f in last_meta[m]] for m in last_meta},
         "dynaquant_passes": [f.get("passes") for f in last_meta["dynaquant"]],
@@ -404,6 +404,7 @@ def main():
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--only", choices=("run", "metadata"), default=None,
                    help="metadata: only the metadata-size table at 8 / 64 / 1,000 ranks (no training)")
+    p.add_argument("--reuse", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
@@ -417,8 +418,12 @@ def main():
     pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
     try:
         t0 = time.time()
-        train = spawn(args, "train", args.world)
-        reshard = spawn(args, "reshard", 2)
+        if args.reuse:  # re-report a finished run (--out of a run kept with --out)
+            train, reshard = ([json.load(open(pathlib.Path(args.out) / f"{ph}-r{r}.json")) for r in range(n)]
+                              for ph, n in (("train", args.world), ("reshard", 2)))
+        else:
+            train = spawn(args, "train", args.world)
+            reshard = spawn(args, "reshard", 2)
         r = report(args, train, reshard)
         r["bench_s"] = round(time.time() - t0, 1)
         print_report(r)

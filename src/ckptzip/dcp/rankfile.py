@@ -14,7 +14,8 @@ the writer's config::
 
 Decode recipe (``replay``): follow ``parent_step`` links from the requested file back to a
 keyframe (each parent must match the checksum its child recorded), then decode forward through
-the method named in each file; ``RankFile.tensor(fqn, offsets)`` then serves a chunk.
+the method named in each file; ``RankFile.chunk_index()`` maps (fqn, offsets) to a record and
+``RankFile.tensor(record)`` serves it.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import zstandard
 
 from ..errors import CorruptCheckpointError
 from ..format import decode_container, encode_container, sha256
-from ..methods.base import DecodeContext, Encoded, Method, method_class
+from ..methods.base import DecodeContext, Encoded, Method, method_for_file
 from ..state import TensorRecord
 from ..tensorbytes import to_numpy_bits
 from .layout import Root, rank_file
@@ -99,14 +100,16 @@ class RankFile:
     def verify_exact(self) -> None:
         """For lossless methods: every decoded chunk must hash to what the writer hashed."""
         for name, want in self.manifest.get("chunk_sha256", {}).items():
+            if name not in self.tensors:
+                continue  # not decoded (a partial replay)
             got = sha256(to_numpy_bits(self.tensors[name]).data)
             if got != want:
                 raise CorruptCheckpointError(f"{self.where}: record {name!r} decodes to bytes that differ from "
                                              "what was saved (checksum of the shard)")
 
 
-def _parse(data: bytes, where: str, step: int, rank: int):
-    c = decode_container(data, name=where)
+def _parse(data: bytes, where: str, step: int, rank: int, *, verify_blobs: bool = True):
+    c = decode_container(data, name=where, verify_blobs=verify_blobs)
     m = c.manifest
     if m.get("kind") != KIND or m.get("step") != step or m.get("rank") != rank:
         raise CorruptCheckpointError(f"{where}: holds {m.get('kind')} step {m.get('step')} rank {m.get('rank')}, "
@@ -130,28 +133,49 @@ def check_file(root: Root, step: int, rank: int, sha: str | None) -> dict:
     return _parse(_read(root, step, rank, sha, "committed"), root.where(step, rank_file(rank)), step, rank).manifest
 
 
-def replay(root: Root, step: int, rank: int, sha: str | None, *, device="cpu",
-           methods: dict | None = None) -> tuple[RankFile, object]:
+def replay(root: Root, step: int, rank: int, sha: str | None, *, device="cpu", methods: dict | None = None,
+           only: set[tuple] | None = None, verify_exact: bool = False) -> tuple[RankFile, object]:
     """Decode rank ``rank``'s file of ``step`` (checksum ``sha``), replaying from its keyframe.
-    Returns the file and the method's reference after it (what a delta on top would use)."""
+    Returns the file and the method's reference after it (what a delta on top would use).
+
+    ``only``: the chunks the caller needs, as (fqn, offsets) (a loading rank that wants a few
+    replicated tensors of another rank's file); methods decode records independently unless one depends on another
+    (DynaQuant's m on its v), in which case the whole file is decoded after all. ``verify_exact``:
+    for lossless methods, also check every decoded record against the checksum of what was saved.
+    Every file's bytes are hashed once (against the checksum its commit or its child recorded)."""
     methods = {} if methods is None else methods
+    if only is not None:
+        try:
+            return _replay(root, step, rank, sha, device, methods, only, verify_exact)
+        except CorruptCheckpointError:
+            pass  # a needed record depends on one outside ``only``: decode everything (re-raises real damage)
+    return _replay(root, step, rank, sha, device, methods, None, verify_exact)
+
+
+def _replay(root: Root, step: int, rank: int, sha, device, methods: dict, only, verify_exact: bool):
     path = []  # (step, container), newest first
     cur_step, cur_sha, why = step, sha, "committed"
     while True:
-        c = _parse(_read(root, cur_step, rank, cur_sha, why), root.where(cur_step, rank_file(rank)), cur_step, rank)
+        c = _parse(_read(root, cur_step, rank, cur_sha, why), root.where(cur_step, rank_file(rank)), cur_step, rank,
+                   verify_blobs=cur_sha is None)
         path.append((cur_step, c))
         if c.manifest["keyframe"]:
             break
         if len(path) > 10_000:
             raise CorruptCheckpointError(f"{root.url}: rank {rank} parent links do not reach a keyframe")
         cur_step, cur_sha, why = c.manifest["parent_step"], c.manifest["parent_sha256"], f"step {step} needs this parent"
+    if only is not None:  # chunk keys -> the records that hold them (an alias's stored record)
+        newest = path[0][1].manifest
+        index = {(c[0], tuple(c[1])): n for n, c in newest["chunks"].items()}
+        only = {newest["aliases"].get(index[k], index[k]) for k in only if k in index}
     ref = None
     for s, c in reversed(path):
         m = c.manifest
         key = m["method"] + json.dumps(m.get("config", {}), sort_keys=True)
         if key not in methods:
-            methods[key] = method_class(m["method"])(m.get("config") or None)
-        records = {n: TensorRecord.from_dict(n, r) for n, r in m["records"].items()}
+            methods[key] = method_for_file(m["method"], m.get("config"))
+        wanted = m["records"] if only is None else {n: r for n, r in m["records"].items() if n in only}
+        records = {n: TensorRecord.from_dict(n, r) for n, r in wanted.items()}
         enc = Encoded(records={n: {"pipeline": r["pipeline"], "meta": r.get("meta", {}), "blobs": r["blobs"]}
                                for n, r in m["records"].items()},
                       blobs=c.blobs, meta=m.get("method_meta", {}), keyframe=m["keyframe"])
@@ -161,6 +185,6 @@ def replay(root: Root, step: int, rank: int, sha: str | None, *, device="cpu",
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"{where}: {e}") from None
     rf = RankFile(path[0][1].manifest, tensors, path[0][1].blobs, root.where(step, rank_file(rank)))
-    if rf.manifest["method"].split("/")[0] in LOSSLESS_METHODS:
+    if verify_exact and rf.manifest["method"].split("/")[0] in LOSSLESS_METHODS:
         rf.verify_exact()
     return rf, ref

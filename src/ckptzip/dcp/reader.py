@@ -95,8 +95,10 @@ class CompressedReader(StorageReader):
             if rank not in self._files:
                 raise CorruptCheckpointError(f"{self.root.where(self.loaded_step)}: metadata names rank {rank} "
                                              "but has no file entry for it")
+            wanted = {(r.storage_index.fqn, tuple(int(o) for o in r.storage_index.offset)) for r in by_rank[rank]
+                      if r.type != LoadItemType.BYTE_IO}
             rf, _ = rankfile.replay(self.root, self.loaded_step, rank, self._files[rank], device=self.device,
-                                    methods=methods)
+                                    methods=methods, only=wanted)
             index = rf.chunk_index()
             for req in by_rank[rank]:
                 fqn = req.storage_index.fqn

@@ -109,7 +109,7 @@ def verify(url, *, deep: bool = True, storage_options: dict | None = None) -> li
         for f in doc["ranks"]:
             try:
                 if deep:
-                    rankfile.replay(root, s, int(f["rank"]), f["sha256"])
+                    rankfile.replay(root, s, int(f["rank"]), f["sha256"], verify_exact=True)
                 else:
                     rankfile.check_file(root, s, int(f["rank"]), f["sha256"])
             except CkptzipError as e:
