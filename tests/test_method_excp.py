@@ -15,7 +15,8 @@ import torch
 from ckptzip.chain import CheckpointChain
 from ckptzip.errors import ConfigError, CorruptCheckpointError
 from ckptzip.methods.base import DecodeContext, EncodeContext, get_method
-from ckptzip.methods.excp import ExcpFixedConfig, adam_parameters
+from ckptzip.methods.excp_fixed import ExcpFixedConfig
+from ckptzip.methods.excp_records import adam_parameters
 from ckptzip.quant.excp import EXCP_FAITHFUL, decode_tensor, encode_tensor
 from ckptzip.state import flatten_state
 
@@ -159,7 +160,7 @@ def test_state_without_adam_state_is_exact(tmp_path, digits_snapshots, name):
     entries = save_all(chain, items, model2, opt2)
     flat = flatten_state(items[0][1], model2, opt2)
     assert flat.records["model/frozen"].role == "weight" and flat.records["model/running"].role == "buffer"
-    assert "model/frozen" not in adam_parameters(flat.records) and len(adam_parameters(flat.records)) == len(PARAMS)
+    assert "model/frozen" not in adam_parameters(flat) and len(adam_parameters(flat)) == len(PARAMS)
     for (step, st), e in zip(items, entries):
         got = chain.load(step)
         for k in ("frozen", "running", "counter"):

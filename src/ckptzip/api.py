@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .chain import CheckpointChain, Entry, KeyframePolicy, RetentionPolicy
+from .fitcheck import check_fits
 from .methods.base import EncodeContext
 
 
@@ -60,7 +61,7 @@ class Compressor:
                  scheduler=None, extra_state: Callable[[], dict] | None = None,
                  keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
                  storage_options: dict | None = None, save_every: int | None = None, grad_window: int = 50,
-                 async_save: bool = False, engine_options=None):
+                 async_save: bool = False, engine_options=None, takeover: bool = False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not 0 <= threshold < 1:
@@ -69,7 +70,7 @@ class Compressor:
         self.eval_fn, self.threshold, self.higher_is_better = eval_fn, threshold, higher_is_better
         self.extra_state = extra_state
         self.chain = CheckpointChain(url, method, config, keyframe=keyframe, retention=retention,
-                                     storage_options=storage_options)
+                                     storage_options=storage_options, takeover=takeover)
         self._recorder = None
         if _wants_gradients(self.chain.method):
             self._recorder = SaveWindowRecorder(model, window=grad_window, save_every=save_every)
@@ -79,7 +80,7 @@ class Compressor:
 
             self._engine = AsyncCheckpointEngine(url, method, config, options=engine_options,
                                                  keyframe=keyframe, retention=retention,
-                                                 storage_options=storage_options)
+                                                 storage_options=storage_options, takeover=takeover)
 
     # --------------------------------------------------------------------------------------
     def state(self, step: int) -> dict:
@@ -101,8 +102,12 @@ class Compressor:
             return self._engine.save(self.state(step), step, model=self.model, optimizer=self.optimizer, ctx=ctx)
         return self.chain.save(self.state(step), step, model=self.model, optimizer=self.optimizer, ctx=ctx)
 
-    def restore(self, step: int | None = None) -> int | None:
-        """Load ``step`` (latest when None) into model, optimizer, scheduler and RNG; None if empty."""
+    def restore(self, step: int | None = None, *, strict: bool = True) -> int | None:
+        """Load ``step`` (latest when None) into model, optimizer, scheduler and RNG; None if empty.
+
+        A checkpoint that does not fit the model or optimizer raises StateMismatchError naming the
+        first differing tensor, before anything is loaded; ``strict`` as in ``load_state_dict``.
+        """
         if self._engine is not None:
             found = self._engine.restore(step)
             if found is None:
@@ -112,7 +117,8 @@ class Compressor:
             if not self.chain.steps():
                 return None
             state = self.chain.load(step)
-        self.model.load_state_dict(state["model"])
+        check_fits(state, self.model, self.optimizer, strict=strict, step=state.get("step", step))
+        self.model.load_state_dict(state["model"], strict=strict)
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and "scheduler" in state:

@@ -62,7 +62,8 @@ class _Agent:
         self.chain = CheckpointChain(spec["url"], method,
                                      keyframe=KeyframePolicy(**spec["keyframe"]) if spec.get("keyframe") else None,
                                      retention=RetentionPolicy(**spec["retention"]) if spec.get("retention") else None,
-                                     storage_options=spec.get("storage_options"))
+                                     storage_options=spec.get("storage_options"),
+                                     takeover=bool(spec.get("takeover")))
         self.segments: dict[int, object] = {}
         self.trainer_gone = False
         self.inbox: queue.Queue = queue.Queue()

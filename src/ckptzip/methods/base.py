@@ -31,6 +31,7 @@ from typing import Callable, ClassVar
 import torch
 
 from ..codec import bytegroup
+from ..codec import stages as S
 from ..errors import ConfigError, CorruptCheckpointError, UnknownMethodError
 from ..state import FlatState, TensorRecord
 from ..tensorbytes import tensor_from_bytes, tensor_to_bytes
@@ -205,7 +206,7 @@ _BUILTIN = {
     "lossless": "ckptzip.methods.lossless",
     "dynaquant": "ckptzip.methods.dynaquant",
     "excp": "ckptzip.methods.excp",
-    "excp-fixed": "ckptzip.methods.excp",
+    "excp-fixed": "ckptzip.methods.excp_fixed",
     "bitsnap": "ckptzip.methods.bitsnap",
     "bitsnap-lossless": "ckptzip.methods.bitsnap",
     "qd": "ckptzip.methods.baselines",
@@ -250,14 +251,14 @@ def available_methods() -> list[str]:
 
 # --- exact storage shared by every method (scalars, ints, small tensors, tensors a lossy method skips)
 
-EXACT_PIPELINE = ["exact/1", "bytegroup/1"]
+EXACT_PIPELINE = S.pipeline(S.EXACT, S.BYTEGROUP)
 _RAW_BELOW_BYTES = 256  # byte-group headers and zstd frames cost more than they save on tiny tensors
 
 
 def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3) -> None:
     raw = tensor_to_bytes(t)
     if len(raw) < _RAW_BELOW_BYTES:
-        enc.add(name, ["exact/1", "raw/1"], {}, data=raw)
+        enc.add(name, S.pipeline(S.EXACT, S.RAW), {}, data=raw)
         return
     enc.add(name, EXACT_PIPELINE, {}, data=bytegroup.compress(raw, t.element_size(),
                                                               float_bits=t.is_floating_point(), level=level))
@@ -265,7 +266,7 @@ def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3) ->
 
 def decode_exact(enc: Encoded, name: str, rec: TensorRecord) -> torch.Tensor:
     data = enc.blob(name, "data")
-    raw = data if "raw/1" in enc.records[name]["pipeline"] else bytegroup.decompress(data)
+    raw = data if S.RAW.descriptor in enc.records[name]["pipeline"] else bytegroup.decompress(data)
     return tensor_from_bytes(raw, rec.dtype, rec.shape)
 
 

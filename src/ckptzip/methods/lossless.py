@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codec import bytegroup
+from ..codec import stages as S
 from ..errors import CorruptCheckpointError
 from ..state import FlatState, TensorRecord
 from ..tensorbytes import BITS_DTYPE, tensor_from_bytes, tensor_to_bytes
@@ -50,15 +51,15 @@ class LosslessMethod(Method):
         for name, rec in state.records.items():
             t = state.tensors[name].detach().cpu().contiguous()
             p = prev.get(name) if prev is not None else None
-            pipeline = ["lossless/1"]
+            pipeline = [S.LOSSLESS.descriptor]
             if p is not None and p.dtype == t.dtype and p.shape == t.shape and t.numel():
                 t_bits = torch.bitwise_xor(_bits(t), _bits(p))
-                pipeline.append("xor/1")
+                pipeline.append(S.XOR.descriptor)
             else:
                 t_bits = t
             data = bytegroup.compress(tensor_to_bytes(t_bits), t.element_size(),
                                       float_bits=t.is_floating_point(), level=level)
-            enc.add(name, pipeline + ["bytegroup/1"], {}, data=data)
+            enc.add(name, pipeline + [S.BYTEGROUP.descriptor], {}, data=data)
         ref = {n: t.detach().cpu().clone() for n, t in state.tensors.items()}
         return enc, LosslessReference(ctx.step, ref)
 
@@ -68,7 +69,7 @@ class LosslessMethod(Method):
         for name, rec in records.items():
             raw = bytegroup.decompress(encoded.blob(name, "data"))
             t = tensor_from_bytes(raw, rec.dtype, rec.shape)
-            if "xor/1" in encoded.records[name]["pipeline"]:
+            if S.XOR.descriptor in encoded.records[name]["pipeline"]:
                 p = reference.exact.get(name) if reference is not None else None
                 if p is None or p.shape != t.shape or p.dtype != t.dtype:
                     raise CorruptCheckpointError(f"record {name!r} is an XOR delta but its parent lacks it")

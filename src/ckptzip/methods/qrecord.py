@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..codec import stages as S
 from ..codec.entropy import decode_codes, encode_codes
 from ..errors import CorruptCheckpointError
 from ..quant.base import QuantizedTensor
@@ -36,8 +37,9 @@ def store(enc: Encoded, name: str, q: QuantizedTensor, prev: Codes | None, *, me
     codes = q.codes if q.codes.dtype in (torch.int32, torch.int64) else q.codes.long()  # one tensor at a time
     blob = encode_codes(prev.codes.long() if prev is not None else None, codes, B, rearrange=rearrange, rle=rle,
                         coder=coder)
-    pipeline = [method] + ((["cyclic-delta/1"] + (["rearrange/1"] if rearrange else [])) if prev is not None else [])
-    pipeline += (["rle/1"] if rle else []) + [f"{coder}/1"]
+    stages = ([S.CYCLIC_DELTA] + ([S.REARRANGE] if rearrange else []) if prev is not None else []) + \
+        ([S.RLE] if rle else []) + [S.CODER_STAGES[coder]]
+    pipeline = [method] + S.pipeline(*stages)
     side = {k: v.detach().cpu().contiguous() for k, v in q.side.items()}
     rec_meta = {"n_levels": q.n_levels, "delta": prev is not None,
                 "side": {k: [dtype_name(v.dtype), list(v.shape)] for k, v in side.items()}, **(meta or {})}

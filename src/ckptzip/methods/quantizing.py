@@ -32,6 +32,7 @@ from typing import ClassVar
 
 import torch
 
+from ..codec import stages as S
 from ..codec.entropy import CODERS
 from ..errors import ConfigError, CorruptCheckpointError
 from ..quant import dynaquant as dq
@@ -171,7 +172,7 @@ class QuantizingMethod(Method):
         weights = set(quantized)
         quantized.update(moments.quantize_moments(state, cfg.moments))
         enc = Encoded(keyframe=prev is None or not (self.delta_weights or cfg.moments.delta))
-        stage = f"{self.name}/1"  # the quantized-record layout (qrecord), unchanged since v0.1
+        stage = S.QUANTIZED_RECORD[self.name].descriptor  # the qrecord layout, unchanged since v0.1
         codes_w, codes_m = {}, {}
         for name, rec in state.records.items():
             q = quantized.get(name)
