@@ -111,8 +111,8 @@ class Root:
         self.store = Storage(self.url, storage_options)
 
     def step_store(self, step: int) -> Storage:
-        """The step folder as a Storage sharing the root's filesystem client (one client per root:
-        creating an object-store client costs far more than a request)."""
+        """The step folder as a Storage sharing the root's filesystem client and retry policy (one
+        client per root: creating an object-store client costs far more than a request)."""
         st = copy.copy(self.store)
         st.root, st.url = f"{self.store.root}/{step_dir(step)}", f"{self.url}/{step_dir(step)}"
         return st
@@ -123,7 +123,6 @@ class Root:
     # --- listing ---------------------------------------------------------------------------
     def step_folders(self) -> list[int]:
         """Every step folder, committed or not, ascending."""
-        self.store.fs.invalidate_cache(self.store.root)  # object stores cache listings per client
         out = []
         for name in self.store.list():
             m = _STEP_RE.match(name)
@@ -132,9 +131,7 @@ class Root:
         return sorted(out)
 
     def is_committed(self, step: int) -> bool:
-        st = self.step_store(step)
-        st.fs.invalidate_cache(st.root)  # another process may have committed since we last looked
-        return st.exists(COMMIT)
+        return self.step_store(step).exists(COMMIT)
 
     def committed_steps(self) -> list[int]:
         return [s for s in self.step_folders() if self.is_committed(s)]
@@ -180,14 +177,18 @@ class Root:
         return parse_metadata(self.read_metadata_bytes(step, commit), self.where(step, METADATA))
 
     def write_commit(self, step: int, world_size: int, metadata: dict, needs) -> Commit:
-        """The coordinator's commit: the metadata, then commit.json (atomic, last)."""
+        """The coordinator's commit: the metadata, then commit.json (created exclusively, last)."""
         st = self.step_store(step)
         st.makedirs()
         doc = json.dumps(metadata, separators=(",", ":"), allow_nan=False).encode()  # keeps the state's key order
         raw = zstandard.ZstdCompressor(level=3).compress(doc)
         st.write_atomic(METADATA, raw)
         c = Commit(step, world_size, sha256(raw), len(raw), tuple(sorted(set(needs) | {step})), time.time())
-        st.write_atomic(COMMIT, c.to_json())
+        try:
+            st.create(COMMIT, c.to_json())  # exclusive: two jobs committing one step cannot both win
+        except FileExistsError:
+            raise FileExistsError(f"{self.where(step, COMMIT)}: another writer committed step {step} "
+                                  "first; two jobs are saving to one root") from None
         return c
 
     # --- retention and cleanup ---------------------------------------------------------------
