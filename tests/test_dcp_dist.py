@@ -155,7 +155,8 @@ def test_corrupt_or_missing_shard_is_named(saved4, tmp_path):
     with pytest.raises(CorruptCheckpointError, match="step-000000000003/rank-00002.ckz.*checksum"):
         tools.load_full(root)
     problems = tools.verify(root)
-    assert any("rank-00002.ckz" in p for p in problems), problems
+    assert any("rank-00002.ckz" in str(p) for p in problems), problems
+    assert any(p.record is not None and "damaged" in str(p) for p in problems), problems  # down to a tensor
     shutil.copytree(args["lossless"], root, dirs_exist_ok=True)
     (root / "step-000000000002" / "rank-00001.ckz").unlink()  # the parent of step 3's delta on rank 1
     with pytest.raises(CorruptCheckpointError, match="step-000000000002/rank-00001.ckz.*missing"):

@@ -2,7 +2,7 @@
 
     steps = list_steps(root)                         # committed steps, newest last, with sizes
     state = load_full(root, step=None)               # the whole (unsharded) state, nested as saved
-    problems = verify(root, deep=True)               # one line per problem; [] when all is well
+    problems = verify(root, deep=True)               # verify.Problem list; [] when all is well
     restore_file(root, "model.pt", step=None)        # torch.save (or .safetensors) of load_full
 
 ``load_full`` is what ``dcp_to_torch_save`` does for plain DCP, through ``CompressedReader`` and a
@@ -13,16 +13,21 @@ what these return.
 from __future__ import annotations
 
 import io
+import pathlib
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from ..errors import CkptzipError, UnsafeInputError
+from ..errors import CkptzipError, ConfigError, UnsafeInputError
+from ..verify import Problem, _damaged_records
 from . import rankfile
 from .layout import COMMIT, Root
 from .reader import CompressedReader
+
+
+FIX_STEP = "restore the file from a backup, or load an earlier step"
 
 
 class _SafePlanner(_EmptyStateDictLoadPlanner):
@@ -89,51 +94,76 @@ def inspect_step(url, step: int | None = None, *, storage_options: dict | None =
             "bytes_items": sorted(doc["bytes"])}
 
 
-def verify(url, *, deep: bool = True, storage_options: dict | None = None) -> list[str]:
-    """Every committed step: commit and metadata checksums, every rank file present and matching;
-    ``deep`` also decodes each rank's file (replaying its deltas). Returns one line per problem."""
+def verify(url, *, deep: bool = True, storage_options: dict | None = None) -> list[Problem]:
+    """Every committed step: commit and metadata checksums, every rank file present and matching
+    (a damaged file's damaged records named); ``deep`` also decodes each rank's file, replaying its
+    deltas, and checks lossless chunks against the checksums of what was saved. [] when all is well."""
     root = Root(url, storage_options)
-    problems: list[str] = []
+    problems: list[Problem] = []
     try:
         steps = root.committed_steps()
     except (CkptzipError, OSError) as e:
-        return [f"{root.url}: {e}"]
+        return [Problem(str(e), file=root.url, fix="check the root URL and its permissions")]
     if not steps:
-        return [f"{root.url}: no committed step (no {COMMIT} under any step folder)"]
+        return [Problem(f"no committed step (no {COMMIT} under any step folder)", file=root.url,
+                        fix="check the root URL, or save a step first")]
     for s in steps:
         try:
             doc = root.read_metadata(s)
         except CkptzipError as e:
-            problems.append(str(e))
+            problems.append(Problem(str(e), step=s, fix=FIX_STEP))
             continue
         for f in doc["ranks"]:
+            rank, where = int(f["rank"]), root.where(s, f["file"])
             try:
                 if deep:
-                    rankfile.replay(root, s, int(f["rank"]), f["sha256"], verify_exact=True)
+                    rankfile.replay(root, s, rank, f["sha256"], verify_exact=True)
                 else:
-                    rankfile.check_file(root, s, int(f["rank"]), f["sha256"])
+                    rankfile.check_file(root, s, rank, f["sha256"])
             except CkptzipError as e:
-                problems.append(str(e))
+                problems.append(Problem(str(e), step=s, fix=FIX_STEP))
+                if "fails its checksum" in str(e) and where in str(e):
+                    problems += _damaged_records(root.step_store(s).read(f["file"]), s, where)
             except Exception as e:  # a decoder crash on valid checksums is still a problem to report
-                problems.append(f"{root.where(s, f['file'])}: decode failed: {e.__class__.__name__}: {e}")
-    for s in root.orphans(before=steps[-1]):
-        problems.append(f"{root.where(s)}: uncommitted step folder (a crashed save); remove it with gc")
+                problems.append(Problem(f"{where}: decode failed: {e.__class__.__name__}: {e}", step=s, fix=FIX_STEP))
     return problems
 
 
+def leftovers(url, *, storage_options: dict | None = None) -> list[str]:
+    """Step folders below the latest committed step that hold no commit (crashed saves)."""
+    root = Root(url, storage_options)
+    latest = root.latest_step(default=None)
+    return [] if latest is None else [root.where(s) for s in root.orphans(before=latest)]
+
+
+def is_root(url, *, storage_options: dict | None = None) -> bool:
+    """Whether ``url`` holds ckptzip DCP steps (and not a chain's index.json)."""
+    from ..chain import INDEX
+
+    root = Root(url, storage_options)
+    return not root.store.exists(INDEX) and bool(root.step_folders())
+
+
 def restore_file(url, out: str, step: int | None = None, *, storage_options: dict | None = None) -> dict:
-    """Write the consolidated state as torch.save (``.pt``/``.bin``/...) or safetensors
-    (``.safetensors``: tensors only, flattened to dotted keys). Returns {"tensors", "bytes"}."""
+    """Write the consolidated state of ``step`` (latest when None) as torch.save (``.pt``, ``.pth``,
+    ``.bin``) or safetensors (``.safetensors``: tensors only, flattened to dotted keys).
+    Returns {"step", "tensors", "bytes", "format"}."""
+    suffix = pathlib.Path(out).suffix
+    if suffix not in (".pt", ".pth", ".bin", ".safetensors"):
+        raise ConfigError(f"cannot restore a DCP root to {out}: write a .pt (torch.save of the whole state) or a "
+                          ".safetensors file (its tensors)")
+    root = Root(url, storage_options)
+    step = root.latest_step() if step is None else step
     state = load_full(url, step, storage_options=storage_options)
-    if str(out).endswith(".safetensors"):
+    flat = dict(_tensors(state))
+    if suffix == ".safetensors":
         from safetensors.torch import save_file
 
-        flat = dict(_tensors(state))
         save_file({k: v.contiguous() for k, v in flat.items()}, str(out))
     else:
         torch.save(state, str(out))
-        flat = dict(_tensors(state))
-    return {"tensors": len(flat), "bytes": sum(t.numel() * t.element_size() for t in flat.values())}
+    return {"step": step, "tensors": len(flat), "bytes": sum(t.numel() * t.element_size() for t in flat.values()),
+            "format": "safetensors" if suffix == ".safetensors" else "torch.save"}
 
 
 def _tensors(obj, prefix: str = ""):
@@ -147,4 +177,4 @@ def _tensors(obj, prefix: str = ""):
             yield from _tensors(v, f"{prefix}.{i}" if prefix else str(i))
 
 
-__all__ = ["load_full", "list_steps", "inspect_step", "verify", "restore_file"]
+__all__ = ["load_full", "list_steps", "inspect_step", "verify", "leftovers", "is_root", "restore_file"]
