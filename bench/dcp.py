@@ -217,16 +217,14 @@ def rank_main(args):
     os._exit(0)
 
 
-def _flat(sd, prefix=""):
-    for k, v in sd.items():
-        if isinstance(v, dict):
-            yield from _flat(v, f"{prefix}{k}.")
-        elif isinstance(v, torch.Tensor):
-            yield f"{prefix}{k}", v
+def _flat_tensors(sd):
+    from ckptzip.dcp.tools import flat_tensors
+
+    return flat_tensors(sd)
 
 
 def _flat_dict(sd):
-    return {k: v.to_local().clone() if hasattr(v, "to_local") else v for k, v in _flat(sd)}
+    return {k: v.to_local().clone() if hasattr(v, "to_local") else v for k, v in _flat_tensors(sd)}
 
 
 def _identical(a: dict, b: dict) -> bool:
@@ -271,7 +269,7 @@ def report(args, train: list[dict], reshard: list[dict]) -> dict:
     saves = {m: [x for r in train for x in r["saves"] if x["method"] == m] for m in METHODS}
     # consolidated states (world 1): lossless == plain DCP at every step; dynaquant's quality
     plain = {s: _consolidated(out / "dcp" / str(s)) for s in steps}
-    lossless_equal = all(_identical(dict(_flat(tools.load_full(out / "lossless", s))), dict(_flat(plain[s])))
+    lossless_equal = all(_identical(dict(_flat_tensors(tools.load_full(out / "lossless", s))), dict(_flat_tensors(plain[s])))
                          for s in steps)
     build, _, val_loss, held_out = workload(args)
     losses = {}

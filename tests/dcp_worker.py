@@ -114,14 +114,6 @@ def bits_equal(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(w), b.contiguous().view(w))
 
 
-def flat_tensors(sd, prefix=""):
-    for k, v in sd.items():
-        if isinstance(v, dict):
-            yield from flat_tensors(v, f"{prefix}{k}.")
-        elif isinstance(v, torch.Tensor):
-            yield f"{prefix}{k}", v
-
-
 @torch.no_grad()
 def val_loss(model, data) -> float:
     return float(loss_of(model, batch(data, 999, n=16)))
@@ -129,6 +121,7 @@ def val_loss(model, data) -> float:
 
 def main(scenario, rank, world, port, args):
     from ckptzip.dcp import CompressedReader, CompressedWriter
+    from ckptzip.dcp.tools import flat_tensors
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -130,18 +130,10 @@ def test_dynaquant_shards_share_single_process_thresholds_and_codebooks(saved4, 
     assert summary["search"] in ("exhaustive", "neighbourhood", "fallback") and summary["ranks"] == 4
     assert summary["degradation"] <= 0.01
     got = tools.load_full(args["dynaquant"])
-    for k, v in _flat(plain_full(f"{args['plain']}/3")):
+    for k, v in tools.flat_tensors(plain_full(f"{args['plain']}/3")):
         if k.startswith("model.blocks") and k.endswith("weight") and v.dim() == 2:
-            assert float((got_t := dict(_flat(got))[k]).sub(v).norm() / v.norm()) < 0.5, k
+            assert float((got_t := dict(tools.flat_tensors(got))[k]).sub(v).norm() / v.norm()) < 0.5, k
             assert got_t.dtype == v.dtype
-
-
-def _flat(sd, prefix=""):
-    for k, v in sd.items():
-        if isinstance(v, dict):
-            yield from _flat(v, f"{prefix}{k}.")
-        elif isinstance(v, torch.Tensor):
-            yield f"{prefix}{k}", v
 
 
 def test_corrupt_or_missing_shard_is_named(saved4, tmp_path):

@@ -218,28 +218,28 @@ def verify(
     for name in chain.orphans():
         typer.echo(f"warning: {chain.storage.path(name)} is in no index entry (left by an interrupted save); "
                    "it can be deleted", err=True)
-    if problems:
-        for p in problems:
-            typer.echo(" ".join(f"{p}; {p.fix}".split()) if p.fix else " ".join(str(p).split()))
-        typer.echo(f"FAILED: {len(problems)} problem(s) in {n} checkpoints")
-        raise typer.Exit(EXIT_PROBLEMS)
-    typer.echo(f"OK: {n} checkpoints verified")
+    _report(problems, f"{n} checkpoints")
 
 
 def _verify_dcp(url: str) -> None:
-    from .dcp.tools import leftovers, list_steps, verify as verify_root
+    from .dcp.tools import committed, leftovers, verify as verify_root
 
     with _progress() as prog:
         prog.add_task("checking and decoding every rank file", total=None)
         problems = verify_root(url)
     for where in leftovers(url):
         typer.echo(f"warning: {where} holds no commit (left by an interrupted save); it can be deleted", err=True)
+    _report(problems, f"{len(committed(url))} steps")
+
+
+def _report(problems: list, what: str) -> None:
+    """verify's verdict: one line per problem and FAILED (exit 1), or OK."""
     if problems:
         for p in problems:
             typer.echo(" ".join(f"{p}; {p.fix}".split()) if p.fix else " ".join(str(p).split()))
-        typer.echo(f"FAILED: {len(problems)} problem(s)")
+        typer.echo(f"FAILED: {len(problems)} problem(s) in {what}")
         raise typer.Exit(EXIT_PROBLEMS)
-    typer.echo(f"OK: {len(list_steps(url))} steps verified")
+    typer.echo(f"OK: {what} verified")
 
 
 @app.command()

@@ -23,16 +23,14 @@ import torch
 
 from .. import dist
 from ..errors import ConfigError, NonFiniteError
-from ..search.quality import Verdict, preserved_rng
+from ..search.quality import QualityJudge, preserved_rng
 from ..search.strategies import TrialRunner, estimate_bits, search_config
 from . import merge
 from .shardstate import ShardState
 
 
-class ShardJudge:
-    """QualityJudge's contract (baseline, check, close) on the live sharded model."""
-
-    judges_outputs = False
+class ShardJudge(QualityJudge):
+    """QualityJudge's contract (baseline, check, degradation, close) on the live sharded model."""
 
     def __init__(self, model: torch.nn.Module, eval_fn, shard: ShardState, *, threshold: float,
                  higher_is_better: bool, group):
@@ -49,14 +47,15 @@ class ShardJudge:
                 if tuple(t.shape) == tuple(shard.flat.tensors[name].shape):
                     self._live[name] = t
         self._modes = [(m, m.training) for m in model.modules()]
+        self._outputs = None  # float scores only (output fidelity is judged in one process)
         self.evals = 0
-        self.baseline = self._score({})
+        self.baseline = self.score({})
         self.evals = 0
         if not math.isfinite(self.baseline):
             raise NonFiniteError(f"eval_fn returned {self.baseline} for the uncompressed state; the config "
                                  "search needs a finite score")
 
-    def _score(self, replacements: dict[str, torch.Tensor]) -> float:
+    def score(self, replacements: dict[str, torch.Tensor]) -> float:
         exact = {n: self._live[n].detach().clone() for n in replacements if n in self._live}
         err, score = None, math.nan
         try:
@@ -88,19 +87,8 @@ class ShardJudge:
         """Whether record ``name`` is a weight this judge can swap into the live model."""
         return name in self._live
 
-    def degradation(self, score: float) -> float:
-        if not math.isfinite(score):
-            return math.inf
-        diff = (self.baseline - score) if self.higher_is_better else (score - self.baseline)
-        return diff / abs(self.baseline) if self.baseline != 0 else diff
-
-    def check(self, replacements: dict[str, torch.Tensor]) -> Verdict:
-        s = self._score(replacements)
-        d = self.degradation(s)
-        return Verdict(d <= self.threshold, d, s)
-
     def close(self) -> None:
-        self._live = {}
+        self._live, self._modes = {}, []
 
 
 def _float_score(out) -> float:

@@ -129,6 +129,11 @@ def verify(url, *, deep: bool = True, storage_options: dict | None = None) -> li
     return problems
 
 
+def committed(url, *, storage_options: dict | None = None) -> list[int]:
+    """The committed steps, ascending."""
+    return Root(url, storage_options).committed_steps()
+
+
 def leftovers(url, *, storage_options: dict | None = None) -> list[str]:
     """Step folders below the latest committed step that hold no commit (crashed saves)."""
     root = Root(url, storage_options)
@@ -155,7 +160,7 @@ def restore_file(url, out: str, step: int | None = None, *, storage_options: dic
     root = Root(url, storage_options)
     step = root.latest_step() if step is None else step
     state = load_full(url, step, storage_options=storage_options)
-    flat = dict(_tensors(state))
+    flat = dict(flat_tensors(state))
     if suffix == ".safetensors":
         from safetensors.torch import save_file
 
@@ -166,15 +171,16 @@ def restore_file(url, out: str, step: int | None = None, *, storage_options: dic
             "format": "safetensors" if suffix == ".safetensors" else "torch.save"}
 
 
-def _tensors(obj, prefix: str = ""):
+def flat_tensors(obj, prefix: str = ""):
+    """(dotted key, tensor) for every tensor in nested dicts / lists (DCP's FQNs for a state dict)."""
     if isinstance(obj, torch.Tensor):
         yield prefix, obj
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
+            yield from flat_tensors(v, f"{prefix}.{k}" if prefix else str(k))
     elif isinstance(obj, list | tuple):
         for i, v in enumerate(obj):
-            yield from _tensors(v, f"{prefix}.{i}" if prefix else str(i))
+            yield from flat_tensors(v, f"{prefix}.{i}" if prefix else str(i))
 
 
-__all__ = ["load_full", "list_steps", "inspect_step", "verify", "leftovers", "is_root", "restore_file"]
+__all__ = ["load_full", "list_steps", "inspect_step", "verify", "committed", "leftovers", "is_root", "restore_file", "flat_tensors"]
