@@ -286,7 +286,8 @@ def report(args, train: list[dict], reshard: list[dict]) -> dict:
     first["model"]["lm_head.weight"] = first["model"]["transformer.wte.weight"]  # tied, as live
     torch.distributed.checkpoint.save(first, storage_writer=CompressedWriter(single, step=steps[0], method="dynaquant",
                                                                             config={"quantizer": knobs}))
-    last_meta = {m: Root(out / m).read_metadata(steps[-1])["ranks"] for m in ("lossless", "dynaquant")}
+    last_meta = {m: [f for f in Root(out / m).read_metadata(steps[-1])["ranks"] if f["rank"] >= 0]
+                 for m in ("lossless", "dynaquant")}
     res = {
         "requests_last_save": {m: [next(x.get("requests") for x in r["saves"] if x["method"] == m
                                         and x["step"] == steps[-1]) for r in train] for m in ("lossless", "dynaquant")},

@@ -89,8 +89,9 @@ def test_reshard_4_to_2_and_1_lossless_bit_exact(saved4):
     for step in (2, 3):  # world 1, no process group: the delta (3) and its keyframe (2)
         assert_same(tools.load_full(args["lossless"], step), plain_full(f"{args['plain']}/{step}"))
     root = Root(args["lossless"])
-    doc = root.read_metadata(3)
-    assert [f["keyframe"] for f in doc["ranks"]] == [False] * 4 and [f["parent"] for f in doc["ranks"]] == [2] * 4
+    ranks = {f["rank"]: f for f in root.read_metadata(3)["ranks"]}
+    assert list(ranks) == [0, 1, 2, 3, -1] and ranks[-1]["file"] == "shared.ckz"  # replicated items: one file
+    assert [(ranks[r]["keyframe"], ranks[r]["parent"]) for r in range(4)] == [(False, 2)] * 4
     assert root.read_commit(3).needs == (2, 3) and tools.verify(args["lossless"]) == []
 
 

@@ -4,6 +4,7 @@ Layout under one root (any fsspec URL)::
 
     <root>/step-000000000100/rank-00000.ckz   one container per rank (format.py): that rank's shards
     <root>/step-000000000100/rank-00001.ckz
+    <root>/step-000000000100/shared.ckz         (several ranks) small replicated items, by the coordinator
     <root>/step-000000000100/metadata.json.zst  DCP metadata (zstd'd JSON, no pickle) + the rank file table
     <root>/step-000000000100/commit.json      written last, by the coordinator: the commit
 
@@ -42,6 +43,8 @@ from ..storage import Storage
 FORMAT = "ckptzip-dcp"
 VERSION = 1
 COMMIT = "commit.json"
+SHARED = -1                  # the "rank" of shared.ckz: small replicated items, written by the coordinator
+SHARED_FILE = "shared.ckz"
 METADATA = "metadata.json.zst"
 _MAX_METADATA = 1 << 32  # a decompressed metadata document larger than this is not ours
 _STEP_RE = re.compile(r"^step-(\d{12})$")
@@ -53,7 +56,7 @@ def step_dir(step: int) -> str:
 
 
 def rank_file(rank: int) -> str:
-    return f"rank-{int(rank):05d}.ckz"
+    return SHARED_FILE if rank == SHARED else f"rank-{int(rank):05d}.ckz"
 
 
 def dumps(obj) -> bytes:

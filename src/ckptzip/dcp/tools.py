@@ -76,7 +76,7 @@ def list_steps(url, *, storage_options: dict | None = None) -> list[dict]:
         ranks = doc["ranks"]
         rows.append({"step": s, "world_size": commit.world_size, "nbytes": sum(f["nbytes"] for f in ranks),
                      "raw_bytes": sum(f["raw_bytes"] for f in ranks),
-                     "keyframe_ranks": sum(bool(f["keyframe"]) for f in ranks),
+                     "keyframe_ranks": sum(bool(f["keyframe"]) for f in ranks if f["rank"] >= 0),
                      "method": ranks[0]["method"] if ranks else "", "needs": list(commit.needs),
                      "summary": ranks[0].get("summary", {}) if ranks else {}})
     return rows

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -42,7 +42,7 @@ from ..format import sha256
 from ..methods.base import EncodeContext, Method, Reference, get_method
 from ..methods.quantizing import QuantizingMethod
 from . import meta, merge, rankfile
-from .layout import Root, rank_file
+from .layout import SHARED, Root, rank_file
 from .shardstate import ShardState, build_shard_state
 
 
@@ -113,12 +113,14 @@ class CompressedWriter(StorageWriter):
         if latest is not None and self.step <= latest:
             raise ValueError(f"step {self.step} is not after the latest committed step {latest} under "
                              f"{self.root.url}; save increasing steps (or use a new root)")
-        return plans
+        return _gather_replicated(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         group = merge.default_group(self.process_group)
         world = group.size() if group is not None else 1
-        shard, ref, mem = merge.guarded(lambda: self._prepare(plan, planner, world), group, "preparing the save")
+        shared = set(plan.storage_data.get("shared", [])) if isinstance(plan.storage_data, dict) else set()
+        items = [it for it in plan.items if it.index not in shared]
+        shard, ref, mem = merge.guarded(lambda: self._prepare(items, planner, world), group, "preparing the save")
         method, search_info = self._search(shard, ref, group)
         ctx = EncodeContext(step=self.step)
         t0 = time.perf_counter()
@@ -128,9 +130,7 @@ class CompressedWriter(StorageWriter):
         parent = mem.step if (mem is not None and not enc.keyframe) else None
         data = rankfile.pack(shard, enc, method, step=self.step, rank=self.rank, world_size=world, layout=layout,
                              parent_step=parent, parent_sha256=mem.sha256 if parent is not None else None)
-        st = self.root.step_store(self.step)
-        st.makedirs()
-        st.write_atomic(rank_file(self.rank), data)
+        self._write(self.rank, data)
         chain = (mem.chain if parent is not None else ()) + (self.step,)
         digest = sha256(data)
         with _MEMORY_LOCK:
@@ -142,12 +142,29 @@ class CompressedWriter(StorageWriter):
                 "encode_s": round(encode_s, 3),
                 "reference_bytes": sum(t.numel() * t.element_size() for t in new_ref.tensors()),
                 "summary": {**enc.meta.get("summary", {}), **search_info}}
-        results = [WriteResult(index=item.index, size_in_bytes=item.tensor_storage_size() or 0,
-                               storage_data={"rank": self.rank, **({"file": info} if i == 0 else {})})
-                   for i, item in enumerate(plan.items)]
+        results = _results(items, self.rank, info)
+        if shared:
+            results += self._write_shared([it for it in plan.items if it.index in shared], planner, method, world)
         fut: Future = Future()
         fut.set_result(results)
         return fut
+
+    def _write(self, rank: int, data: bytes) -> None:
+        st = self.root.step_store(self.step)
+        st.makedirs()
+        st.write_atomic(rank_file(rank), data)
+
+    def _write_shared(self, items, planner, method: Method, world: int) -> list[WriteResult]:
+        """(coordinator) The small replicated items every loading rank needs, as one keyframe of their own."""
+        shard = build_shard_state(items, planner, model=self.model)
+        enc, _ = method.encode(shard.flat, None, ctx=EncodeContext(step=self.step))
+        data = rankfile.pack(shard, enc, method, step=self.step, rank=SHARED, world_size=world,
+                             layout=shard.layout(world), parent_step=None, parent_sha256=None)
+        self._write(SHARED, data)
+        info = {"rank": SHARED, "file": rank_file(SHARED), "sha256": sha256(data), "nbytes": len(data),
+                "keyframe": True, "parent": None, "chain": [self.step], "layout": shard.layout(world),
+                "raw_bytes": shard.raw_bytes(), "method": method.descriptor, "passes": 1, "summary": {}}
+        return _results(items, SHARED, info)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         chunk_ranks, bytes_ranks, files = {}, {}, {}
@@ -160,8 +177,9 @@ class CompressedWriter(StorageWriter):
                     chunk_ranks[(wr.index.fqn, tuple(int(o) for o in wr.index.offset))] = sd["rank"]
                 if "file" in sd:
                     files[sd["rank"]] = sd["file"]
+        order = sorted(files, key=lambda r: (r < 0, r))  # rank 0 first, shared.ckz last
         doc = {"format": "ckptzip-dcp-metadata", "step": self.step, "world_size": len(results),
-               "ranks": [files[r] for r in sorted(files)], **meta.from_metadata(metadata, chunk_ranks, bytes_ranks)}
+               "ranks": [files[r] for r in order], **meta.from_metadata(metadata, chunk_ranks, bytes_ranks)}
         needs = {s for f in files.values() for s in f["chain"]}
         self.root.write_commit(self.step, len(results), doc, needs)  # the commit
         stale = self.root.orphans(before=self.step, after=self._previous)
@@ -180,8 +198,8 @@ class CompressedWriter(StorageWriter):
         return False  # never chosen automatically: pass a CompressedWriter explicitly
 
     # --- one rank's save ---------------------------------------------------------------------
-    def _prepare(self, plan: SavePlan, planner: SavePlanner, world: int):
-        shard = build_shard_state(plan.items, planner, model=self.model)
+    def _prepare(self, items: list, planner: SavePlanner, world: int):
+        shard = build_shard_state(items, planner, model=self.model)
         mem = self._reference(shard.layout(world), world)
         if mem is None:
             return shard, None, None
@@ -250,3 +268,31 @@ class CompressedWriter(StorageWriter):
         chosen.search_state = state
         return chosen, {**info, "search_state": state, "search_s": round(time.perf_counter() - t0, 3)}
 
+
+SHARED_MAX_BYTES = 64 * 1024  # replicated items up to this size go to step-N/shared.ckz
+
+
+def _gather_replicated(plans: list[SavePlan]) -> list[SavePlan]:
+    """With several ranks: the small replicated items (whole tensors that DCP's dedup spread over
+    the ranks -- step counters, small buffers -- and bytes items) move to the coordinator's plan,
+    listed in its storage_data; it writes them to ``shared.ckz``. Every loading rank needs them, and
+    one small file costs it one read instead of one read (and decode) of every rank's file."""
+    if len(plans) < 2:
+        return plans
+    moved, out = [], []
+    for p in plans:
+        keep = []
+        for it in p.items:
+            small = it.type == WriteItemType.BYTE_IO or (
+                it.type == WriteItemType.TENSOR and (it.tensor_storage_size() or 0) <= SHARED_MAX_BYTES)
+            (moved if small else keep).append(it)
+        out.append(dataclasses.replace(p, items=keep))
+    out[0] = dataclasses.replace(out[0], items=out[0].items + moved, storage_data={"shared": [it.index for it in moved]})
+    return out
+
+
+def _results(items, rank: int, info: dict) -> list[WriteResult]:
+    """One WriteResult per item, naming the file that holds it; the first carries the file's facts."""
+    return [WriteResult(index=item.index, size_in_bytes=item.tensor_storage_size() or 0,
+                        storage_data={"rank": rank, **({"file": info} if i == 0 else {})})
+            for i, item in enumerate(items)]
