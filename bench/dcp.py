@@ -6,7 +6,8 @@ attention/MLP, LayerNorms, biases, tied lm_head) trains with FSDP2 + AdamW on W 
 
   dcp          dcp.save(checkpoint_id=...)                        (FileSystemWriter, torch.save format)
   dcp+zstd     FileSystemWriter(..., _extensions=[ZStandard()])   DCP's byte-stream compression
-  lossless     CompressedWriter(method="lossless")                ckptzip, deltas per rank
+  lossless     CompressedWriter(method="lossless")                ckptzip, deltas per rank (zstd level 3)
+  lossless-z1  the same with config={"zstd_level": 1}
   dynaquant    CompressedWriter(method="dynaquant", eval_fn=val loss, threshold=1 %): the config
                search runs collectively on the sharded model; sketches merged across ranks
 
@@ -42,7 +43,8 @@ import warnings
 import torch
 
 warnings.filterwarnings("ignore")
-METHODS = ("dcp", "dcp+zstd", "lossless", "dynaquant")
+METHODS = ("dcp", "dcp+zstd", "lossless", "lossless-z1", "dynaquant")
+FAST = METHODS[:4]  # the methods timed side by side in one process
 
 
 def _counting_fs():
@@ -146,8 +148,8 @@ def writer(method, root, step, model=None, eval_fn=None):
         return dcp.FileSystemWriter(f"{root}/{step}")
     if method == "dcp+zstd":
         return dcp.FileSystemWriter(f"{root}/{step}", _extensions=[ZStandard()])
-    if method == "lossless":
-        return CompressedWriter(root, step=step, method="lossless")
+    if method.startswith("lossless"):
+        return CompressedWriter(root, step=step, method="lossless", config={"zstd_level": 1 if "z1" in method else 3})
     return CompressedWriter(root, step=step, method="dynaquant", model=model, eval_fn=eval_fn, threshold=0.01)
 
 
@@ -176,7 +178,8 @@ def rank_main(args):
     build, batch, val_loss, _ = workload(args)
     out = pathlib.Path(args.out)
     calls = _counting_fs()
-    roots = {m: ("" if m.startswith("dcp") else "countfile://") + str(out / m.replace("+", "_")) for m in METHODS}
+    # dynaquant's root counts requests (object-store semantics: no fsync); the timed ones fsync as DCP does
+    roots = {m: ("countfile://" if m == "dynaquant" else "") + str(out / m.replace("+", "_")) for m in METHODS}
     result: dict = {"saves": [], "loads": {}}
     if args.phase == "train":
         model = shard(build(0), args.world)
@@ -189,7 +192,7 @@ def rank_main(args):
                 continue
             sd = state_of(model, opt)
             k = step // args.every
-            for method in METHODS[k % 4:] + METHODS[:k % 4]:  # rotating order: no method always goes first
+            for method in METHODS[k % len(METHODS):] + METHODS[:k % len(METHODS)]:  # rotating: none always first
                 dist.barrier()
                 calls.clear()
                 w, c = timed(lambda: dcp.save(sd, storage_writer=writer(method, roots[method], step, model, val_loss)))
@@ -197,7 +200,7 @@ def rank_main(args):
                                         "requests": dict(calls)})
         result["val_loss_exact"] = val_loss(model)
     loaded = {}
-    for method in ("dcp",) + METHODS:  # the first load (untimed, overwritten) warms imports and the group  # loads at this world size (train: W; reshard: 2), into a fresh model
+    for method in ("dcp",) + METHODS:  # the first (untimed, overwritten) warms imports and the group
         model = shard(build(1), args.world)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model(input_ids=(b := batch(0)), labels=b).loss.backward()
@@ -289,10 +292,11 @@ def report(args, train: list[dict], reshard: list[dict]) -> dict:
     last_meta = {m: [f for f in Root(out / m).read_metadata(steps[-1])["ranks"] if f["rank"] >= 0]
                  for m in ("lossless", "dynaquant")}
     res = {
-        "requests_last_save": {m: [next(x.get("requests") for x in r["saves"] if x["method"] == m
-                                        and x["step"] == steps[-1]) for r in train] for m in ("lossless", "dynaquant")},
-        "requests_load": {m: [r["loads"][m].get("requests") for r in train] for m in ("lossless", "dynaquant")},
-        "requests_load_2": {m: [r["loads"][m].get("requests") for r in reshard] for m in ("lossless", "dynaquant")},
+        "single_process_save": single_process_saves(plain[steps[-1]], out / "single-saves"),
+        "requests_last_save": [next(x.get("requests") for x in r["saves"] if x["method"] == "dynaquant"
+                                    and x["step"] == steps[-1]) for r in train],
+        "requests_load": [r["loads"]["dynaquant"].get("requests") for r in train],
+        "requests_load_2": [r["loads"]["dynaquant"].get("requests") for r in reshard],
         "reference_bytes": {m: [f.get("reference_bytes") for f in last_meta[m]] for m in last_meta},
         "rank_raw_bytes": {m: [f["raw_bytes"] for f in last_meta[m]] for m in last_meta},
         "dynaquant_passes": [f.get("passes") for f in last_meta["dynaquant"]],
@@ -309,6 +313,22 @@ def report(args, train: list[dict], reshard: list[dict]) -> dict:
         "dynaquant_knobs": knobs, "single_process_first_bytes": folder_bytes(single / f"step-{steps[0]:012d}"),
     }
     return res
+
+
+def single_process_saves(state: dict, folder: pathlib.Path, repeats: int = 5) -> dict:
+    """dcp, dcp+zstd and ckptzip lossless (zstd 3 and 1) saving the same consolidated state in this process (no
+    process group, no other rank to wait for), alternating, ``repeats`` each: median wall and thread
+    CPU seconds. Every ckptzip save is a keyframe on a fresh root (its deltas cost an XOR more)."""
+    import torch.distributed.checkpoint as dcp
+
+    times = {m: [] for m in FAST}
+    for i in range(repeats):
+        for m in FAST:
+            root = folder / f"{m.replace('+', '_')}-{i}"
+            w, c = timed(lambda: dcp.save(state, storage_writer=writer(m, str(root), 1), no_dist=True))
+            times[m].append((w, c))
+    return {m: {"wall_s": statistics.median(w for w, _ in v), "cpu_s": statistics.median(c for _, c in v)}
+            for m, v in times.items()}
 
 
 def _consolidated(path) -> dict:
@@ -334,16 +354,23 @@ def print_report(r: dict) -> None:
               f"{r['bytes']['dcp'][last] / r['bytes'][m][last]:.2f}x | {r['save_wall_s'][m]:.3f} s | "
               f"{r['save_wall_s'][m] / z:.2f} | {r['save_cpu_s'][m]:.3f} s | {r['load_wall_s_world'][m]:.3f} s | "
               f"{r['load_wall_s_2'][m]:.3f} s |")
+    sp = r["single_process_save"]
+    print("\nsingle process, the consolidated last state, 5 alternating saves (median): " + ", ".join(
+        f"{m} {v['wall_s']:.3f} s wall / {v['cpu_s']:.3f} s CPU" for m, v in sp.items())
+        + "; vs dcp+zstd: " + ", ".join(f"{m} {sp[m]['wall_s'] / sp['dcp+zstd']['wall_s']:.2f} (wall) "
+                                         f"{sp[m]['cpu_s'] / sp['dcp+zstd']['cpu_s']:.2f} (CPU)"
+                                         for m in ("lossless", "lossless-z1")))
     ve, vq = r["val_loss"]["exact"], r["val_loss"]["dynaquant"]
     first = steps[0]
     print(f"\nlossless == plain DCP (world 1, every step): {r['lossless_equal_plain_dcp_all_steps']}; "
           f"reshard {r['world']} -> 2 bit-identical: {r['reshard_to_2_identical']}")
     print(f"dynaquant reloaded: held-out val loss {vq:.4f} vs exact {ve:.4f} ({(vq - ve) / ve * 100:+.2f} %); "
           f"first search {r['dynaquant_first_search']}; knobs {r['dynaquant_knobs']}")
+    print(f"requests per rank (dynaquant root): last save {r['requests_last_save']}; load at world {r['world']} "
+          f"{r['requests_load']}, at world 2 {r['requests_load_2']}")
     for m in ("lossless", "dynaquant"):
-        print(f"{m}: requests per rank, last save {r['requests_last_save'][m]}; load at world W "
-              f"{r['requests_load'][m]}, at world 2 {r['requests_load_2'][m]}; reference kept per rank "
-              f"{[round(b / 1e6, 2) for b in r['reference_bytes'][m]]} MB of {[round(b / 1e6, 2) for b in r['rank_raw_bytes'][m]]} MB")
+        print(f"{m}: reference kept per rank {[round(b / 1e6, 2) for b in r['reference_bytes'][m]]} MB of "
+              f"{[round(b / 1e6, 2) for b in r['rank_raw_bytes'][m]]} MB")
     print(f"dynaquant sharded encode: passes {r['dynaquant_passes']}, encode s {r['dynaquant_encode_s']}")
     print(f"first checkpoint (keyframe) dynaquant: sharded {r['bytes']['dcp'][first] / r['bytes']['dynaquant'][first]:.2f}x"
           f", single process with the same knobs {r['bytes']['dcp'][first] / r['single_process_first_bytes']:.2f}x")

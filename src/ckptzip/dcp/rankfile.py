@@ -5,12 +5,16 @@ method's blobs plus DCP's bytes items, and a manifest that says everything a rea
 the writer's config::
 
     {"kind": "dcp-rank", "step", "rank", "world_size", "layout", "keyframe",
-     "parent_step", "parent_sha256",            # a delta names its parent file's checksum
+     "parent_step", "parent_sha256",            # a delta names its parent file's digest
      "method", "config", "method_meta", "skeleton", "extra",
      "records": {name: TensorRecord fields + pipeline/meta/blobs},
      "chunks": {name: [fqn, offsets, sizes]},     # the DCP chunk each record (or alias) holds
      "aliases": {name: stored name}, "context": [names], "io": {fqn: {"blob", "codec"}},
-     "chunk_sha256": {name: SHA-256 of the exact input bytes}, "raw_bytes": int}
+     "chunk_sha256": {name: SHA-256 of the exact input bytes} (opt-in), "raw_bytes": int}
+
+A file's *digest* (what the metadata table and a child name) is the SHA-256 of its header: the
+header holds the manifest, which holds every blob's SHA-256, and every load checks the blobs, so
+the digest pins every byte without a second hash pass over the data at save time.
 
 Decode recipe (``replay``): follow ``parent_step`` links from the requested file back to a
 keyframe (each parent must match the checksum its child recorded), then decode forward through
@@ -20,6 +24,7 @@ the method named in each file; ``RankFile.chunk_index()`` maps (fqn, offsets) to
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +42,12 @@ KIND = "dcp-rank"
 _IO_PREFIX = "dcp-io."
 _ZSTD_ABOVE = 256  # bytes items below this stay raw (a zstd frame would not pay for itself)
 LOSSLESS_METHODS = frozenset({"lossless", "bitsnap-lossless"})  # decode must reproduce chunk_sha256
+
+
+def digest(data: bytes | memoryview) -> str:
+    """SHA-256 of the container's header (see the module docstring)."""
+    n = struct.unpack("<Q", bytes(data[:8]))[0] if len(data) >= 8 else 0
+    return sha256(memoryview(data)[:8 + n])
 
 
 def pack(shard: ShardState, enc: Encoded, method: Method, *, step: int, rank: int, world_size: int,
@@ -108,8 +119,8 @@ class RankFile:
                                              "what was saved (checksum of the shard)")
 
 
-def _parse(data: bytes, where: str, step: int, rank: int, *, verify_blobs: bool = True):
-    c = decode_container(data, name=where, verify_blobs=verify_blobs)
+def _parse(data: bytes, where: str, step: int, rank: int):
+    c = decode_container(data, name=where)
     m = c.manifest
     if m.get("kind") != KIND or m.get("step") != step or m.get("rank") != rank:
         raise CorruptCheckpointError(f"{where}: holds {m.get('kind')} step {m.get('step')} rank {m.get('rank')}, "
@@ -123,7 +134,7 @@ def _read(root: Root, step: int, rank: int, want_sha: str | None, why: str) -> b
         data = root.step_store(step).read(rank_file(rank))
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: {why} shard file is missing") from None
-    if want_sha is not None and sha256(data) != want_sha:
+    if want_sha is not None and digest(data) != want_sha:
         raise CorruptCheckpointError(f"{where}: {why} shard file fails its checksum (corrupt or replaced)")
     return data
 
@@ -142,7 +153,7 @@ def replay(root: Root, step: int, rank: int, sha: str | None, *, device="cpu", m
     replicated tensors of another rank's file); methods decode records independently unless one depends on another
     (DynaQuant's m on its v), in which case the whole file is decoded after all. ``verify_exact``:
     for lossless methods, also check every decoded record against the checksum of what was saved.
-    Every file's bytes are hashed once (against the checksum its commit or its child recorded)."""
+    Every file's blobs are hashed once; its header digest must match what its commit or child recorded."""
     methods = {} if methods is None else methods
     if only is not None:
         try:
@@ -156,8 +167,7 @@ def _replay(root: Root, step: int, rank: int, sha, device, methods: dict, only, 
     path = []  # (step, container), newest first
     cur_step, cur_sha, why = step, sha, "committed"
     while True:
-        c = _parse(_read(root, cur_step, rank, cur_sha, why), root.where(cur_step, rank_file(rank)), cur_step, rank,
-                   verify_blobs=cur_sha is None)
+        c = _parse(_read(root, cur_step, rank, cur_sha, why), root.where(cur_step, rank_file(rank)), cur_step, rank)
         path.append((cur_step, c))
         if c.manifest["keyframe"]:
             break

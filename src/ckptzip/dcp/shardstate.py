@@ -151,8 +151,10 @@ def _local(t):
 
 
 def build_shard_state(items: list[WriteItem], planner: SavePlanner, *,
-                      model: torch.nn.Module | None = None, checksums: bool = True) -> ShardState:
-    """The rank's FlatState (see the module docstring). Tensors are detached CPU views/copies."""
+                      model: torch.nn.Module | None = None, checksums: bool = False) -> ShardState:
+    """The rank's FlatState (see the module docstring). Tensors are detached CPU views/copies.
+    ``checksums``: hash every chunk's exact bytes too (``verify --deep`` then checks lossless decodes
+    against them; one more pass over the data at save time)."""
     sd = getattr(planner, "state_dict", None) or {}
     links = _Links(sd, model)
     tensors: dict[str, torch.Tensor] = {}

@@ -38,7 +38,6 @@ from torch.futures import Future
 
 from ..chain import KeyframePolicy, RetentionPolicy
 from ..errors import CkptzipError
-from ..format import sha256
 from ..methods.base import EncodeContext, Method, Reference, get_method
 from ..methods.quantizing import QuantizingMethod
 from . import meta, merge, rankfile
@@ -73,13 +72,15 @@ def forget(root: str | None = None) -> None:
 
 class CompressedWriter(StorageWriter):
     """See the module docstring. ``config``: the method's config (dataclass or dict); ``model``:
-    the live (FSDP) model, for layer types and, with ``eval_fn``, the collective config search."""
+    the live (FSDP) model, for layer types and, with ``eval_fn``, the collective config search;
+    ``chunk_checksums``: also hash each chunk's exact input bytes, which ``verify`` checks lossless
+    decodes against (one more pass over the data per save)."""
 
     def __init__(self, root, step: int, method: str | Method = "lossless", config=None, *,
                  keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
                  storage_options: dict | None = None, model: torch.nn.Module | None = None,
                  eval_fn=None, threshold: float = 0.01, higher_is_better: bool = False,
-                 process_group=None):
+                 process_group=None, chunk_checksums: bool = False):
         super().__init__()
         self.root = Root(root, storage_options)
         self.step = int(step)
@@ -91,6 +92,7 @@ class CompressedWriter(StorageWriter):
         self.model, self.eval_fn = model, eval_fn
         self.threshold, self.higher_is_better = float(threshold), bool(higher_is_better)
         self.process_group = process_group
+        self.chunk_checksums = bool(chunk_checksums)
         self.rank, self.is_coordinator = 0, True
         self._previous: int | None = None  # the latest committed step when this save was planned
         self.save_id = uuid.uuid4().hex
@@ -132,7 +134,7 @@ class CompressedWriter(StorageWriter):
                              parent_step=parent, parent_sha256=mem.sha256 if parent is not None else None)
         self._write(self.rank, data)
         chain = (mem.chain if parent is not None else ()) + (self.step,)
-        digest = sha256(data)
+        digest = rankfile.digest(data)
         with _MEMORY_LOCK:
             _MEMORY[(self.root.url, self.rank)] = _RankMemory(self.step, digest, layout, method.descriptor, chain,
                                                               new_ref, getattr(method, "search_state", None))
@@ -156,12 +158,12 @@ class CompressedWriter(StorageWriter):
 
     def _write_shared(self, items, planner, method: Method, world: int) -> list[WriteResult]:
         """(coordinator) The small replicated items every loading rank needs, as one keyframe of their own."""
-        shard = build_shard_state(items, planner, model=self.model)
+        shard = build_shard_state(items, planner, model=self.model, checksums=self.chunk_checksums)
         enc, _ = method.encode(shard.flat, None, ctx=EncodeContext(step=self.step))
         data = rankfile.pack(shard, enc, method, step=self.step, rank=SHARED, world_size=world,
                              layout=shard.layout(world), parent_step=None, parent_sha256=None)
         self._write(SHARED, data)
-        info = {"rank": SHARED, "file": rank_file(SHARED), "sha256": sha256(data), "nbytes": len(data),
+        info = {"rank": SHARED, "file": rank_file(SHARED), "sha256": rankfile.digest(data), "nbytes": len(data),
                 "keyframe": True, "parent": None, "chain": [self.step], "layout": shard.layout(world),
                 "raw_bytes": shard.raw_bytes(), "method": method.descriptor, "passes": 1, "summary": {}}
         return _results(items, SHARED, info)
@@ -199,7 +201,7 @@ class CompressedWriter(StorageWriter):
 
     # --- one rank's save ---------------------------------------------------------------------
     def _prepare(self, items: list, planner: SavePlanner, world: int):
-        shard = build_shard_state(items, planner, model=self.model)
+        shard = build_shard_state(items, planner, model=self.model, checksums=self.chunk_checksums)
         mem = self._reference(shard.layout(world), world)
         if mem is None:
             return shard, None, None
