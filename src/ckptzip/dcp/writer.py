@@ -9,16 +9,16 @@ the latest committed one) -> ``write_data`` (all ranks) -> ``finish`` (coordinat
 ``write_data`` each rank
 
 1. turns its write items into a FlatState (shardstate.py: roles, parameter links, Adam facts);
-2. picks its reference: the state it wrote at its previous save, if that step is committed, the
-   rank's layout (world size, chunks) is unchanged and the keyframe policy allows a delta; after a
-   restart, rebuilt by replaying its own files; otherwise a keyframe;
+2. picks its reference (memory.py): the state it wrote at its previous save, if that step is
+   committed, the rank's layout (world size, chunks) is unchanged and the keyframe policy allows a
+   delta; after a restart, rebuilt by replaying its own files; otherwise a keyframe;
 3. with ``eval_fn`` (and a synchronous save): runs the config search collectively (search.py);
 4. encodes through the method, with shared sketches merged across ranks (merge.py);
 5. writes ``step-N/rank-R.ckz`` (rankfile.py) and keeps the new reference for the next save.
 
-``finish`` writes the metadata and commit.json (layout.py), then applies retention. References
-stay in this process between saves, keyed by (root, rank): a new writer per save (the usual DCP
-pattern) still writes deltas. One save in flight per root (wait for an async save's future before
+``finish`` writes the metadata and commit.json (layout.py), then applies retention. With several
+ranks the small replicated items (step counters, bytes items) go to one ``shared.ckz`` written by
+the coordinator. One save in flight per root (wait for an async save's future before
 the next). The collectives of steps 3-4 run on ``process_group`` (default: the default group);
 with ``dcp.async_save`` pass the same group you give async_save, as DCP needs for its own.
 """
@@ -28,7 +28,6 @@ import dataclasses
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -37,37 +36,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..chain import KeyframePolicy, RetentionPolicy
-from ..errors import CkptzipError
-from ..methods.base import EncodeContext, Method, Reference, get_method
+from ..methods.base import EncodeContext, Method, get_method
 from ..methods.quantizing import QuantizingMethod
-from . import meta, merge, rankfile
+from . import memory, meta, merge, rankfile
 from .layout import SHARED, Root, rank_file
 from .shardstate import ShardState, build_shard_state
-
-
-@dataclass
-class _RankMemory:
-    """What one rank keeps between saves to one root."""
-
-    step: int
-    sha256: str
-    layout: str
-    method: str                  # descriptor: a method change starts with a keyframe
-    chain: tuple[int, ...]       # steps a restore of ``step`` replays, keyframe first
-    reference: Reference
-    search_state: dict | None = None
-
-
-_MEMORY: dict[tuple[str, int], _RankMemory] = {}
-_MEMORY_LOCK = threading.Lock()
-
-
-def forget(root: str | None = None) -> None:
-    """Drop the references kept for ``root`` (every root when None); the next save is a keyframe
-    or replays the rank's files."""
-    with _MEMORY_LOCK:
-        for key in [k for k in _MEMORY if root is None or k[0] == str(root).rstrip("/")]:
-            del _MEMORY[key]
 
 
 class CompressedWriter(StorageWriter):
@@ -135,9 +108,8 @@ class CompressedWriter(StorageWriter):
         self._write(self.rank, data)
         chain = (mem.chain if parent is not None else ()) + (self.step,)
         digest = rankfile.digest(data)
-        with _MEMORY_LOCK:
-            _MEMORY[(self.root.url, self.rank)] = _RankMemory(self.step, digest, layout, method.descriptor, chain,
-                                                              new_ref, getattr(method, "search_state", None))
+        memory.remember(self.root, self.rank, memory.RankMemory(self.step, digest, layout, method.descriptor, chain,
+                                                                new_ref, getattr(method, "search_state", None)))
         info = {"rank": self.rank, "file": rank_file(self.rank), "sha256": digest, "nbytes": len(data),
                 "keyframe": bool(enc.keyframe), "parent": parent, "chain": list(chain), "layout": layout,
                 "raw_bytes": shard.raw_bytes(), "method": method.descriptor, "passes": passes,
@@ -202,7 +174,7 @@ class CompressedWriter(StorageWriter):
     # --- one rank's save ---------------------------------------------------------------------
     def _prepare(self, items: list, planner: SavePlanner, world: int):
         shard = build_shard_state(items, planner, model=self.model, checksums=self.chunk_checksums)
-        mem = self._reference(shard.layout(world), world)
+        mem = memory.recall(self.root, self.rank, shard.layout(world), self.method)
         if mem is None:
             return shard, None, None
         if len(mem.chain) >= self.keyframe.every or len(mem.chain) > self._max_replay():
@@ -211,40 +183,6 @@ class CompressedWriter(StorageWriter):
 
     def _max_replay(self) -> int:
         return self.keyframe.max_replay if self.keyframe.max_replay is not None else self.keyframe.every - 1
-
-    def _reference(self, layout: str, world: int) -> _RankMemory | None:
-        """The rank's previous save, if a delta against it is valid now (see the module docstring)."""
-        key = (self.root.url, self.rank)
-        with _MEMORY_LOCK:
-            mem = _MEMORY.get(key)
-        if mem is None:
-            mem = self._replay_own_files(layout)
-            if mem is not None:
-                with _MEMORY_LOCK:
-                    _MEMORY[key] = mem
-        if mem is None or mem.layout != layout or mem.method != self.method.descriptor:
-            return None
-        if not self.root.is_committed(mem.step):
-            return None  # that save never committed (a rank died): this one starts a keyframe
-        return mem
-
-    def _replay_own_files(self, layout: str) -> _RankMemory | None:
-        """After a restart: rebuild the reference from this rank's file of the latest committed step."""
-        last = self.root.latest_step(default=None)
-        if last is None:
-            return None
-        try:
-            doc = self.root.read_metadata(last)
-            entry = next((f for f in doc["ranks"] if f["rank"] == self.rank), None)
-            if entry is None or entry["layout"] != layout or entry["method"] != self.method.descriptor:
-                return None
-            rf, ref = rankfile.replay(self.root, last, self.rank, entry["sha256"])
-        except CkptzipError:
-            return None  # unreadable history: a keyframe is always correct
-        state = (entry.get("summary") or {}).get("search_state")
-        if isinstance(self.method, QuantizingMethod):
-            self.method.resume(rf.manifest.get("method_meta", {}))
-        return _RankMemory(last, entry["sha256"], layout, entry["method"], tuple(entry["chain"]), ref, state)
 
     def _search(self, shard: ShardState, ref, group) -> tuple[Method, dict]:
         """The method for this save: the configured one, or with the knobs a collective search chose."""
@@ -256,8 +194,7 @@ class CompressedWriter(StorageWriter):
             return method, {"search": "off", "reason": "asynchronous save: the live model keeps training"}
         from .search import search_knobs
 
-        with _MEMORY_LOCK:
-            mem = _MEMORY.get((self.root.url, self.rank))
+        mem = memory.last(self.root, self.rank)
         prior = mem.search_state if mem is not None else None
         t0 = time.perf_counter()
         knobs, info, state = search_knobs(method, shard, ref, model=self.model, eval_fn=self.eval_fn,
