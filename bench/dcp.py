@@ -321,12 +321,18 @@ def single_process_saves(state: dict, folder: pathlib.Path, repeats: int = 5) ->
     CPU seconds. Every ckptzip save is a keyframe on a fresh root (its deltas cost an XOR more)."""
     import torch.distributed.checkpoint as dcp
 
+    from ckptzip.dcp import forget
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the rank processes; intra-op threads only contend on a shared CPU
     times = {m: [] for m in FAST}
     for i in range(repeats):
         for m in FAST:
             root = folder / f"{m.replace('+', '_')}-{i}"
             w, c = timed(lambda: dcp.save(state, storage_writer=writer(m, str(root), 1), no_dist=True))
             times[m].append((w, c))
+            forget(str(root))
+    torch.set_num_threads(threads)
     return {m: {"wall_s": statistics.median(w for w, _ in v), "cpu_s": statistics.median(c for _, c in v)}
             for m, v in times.items()}
 
