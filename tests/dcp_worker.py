@@ -8,6 +8,8 @@ Scenarios (each rank writes ``<out>/<scenario>-r<rank>.json``):
           across ranks, config searched collectively with eval_fn = validation loss of the FSDP model)
   load    a fresh FSDP2 model + optimizer at this world size; load the lossless root and the plain
           DCP checkpoint; every local shard must be bit-identical
+  sketches  dist.all_reduce_sketches where ranks hold different keys: the merge equals one sketch
+          of every rank's values
   kill    commit step 1, then rank 1 SIGKILLs itself after writing its step-2 file (before the
           commit); the survivors' dcp.save must fail
 """
@@ -160,6 +162,18 @@ def main(scenario, rank, world, port, args):
         out["differ"] = [k for k in a if not bits_equal(a[k], b[k])]
         out["n_tensors"] = len(a)
         out["loop"] = ours["loop"]
+    elif scenario == "sketches":  # dist.all_reduce_sketches with key sets that differ between ranks
+        from ckptzip import dist as cdist
+        from ckptzip.sketch import LogSketch
+
+        g = torch.Generator().manual_seed(rank)
+        data = {"both": torch.randn(5000, generator=g), f"only{rank}": torch.randn(300, generator=g) * 1e-3}
+        merged = cdist.all_reduce_sketches({k: LogSketch(0.01).add(v) for k, v in data.items()}, dist.group.WORLD)
+        everything = [None] * world
+        dist.all_gather_object(everything, {k: v.tolist() for k, v in data.items()})
+        out["keys"] = sorted(merged)
+        out["exact"] = all(merged[k] == LogSketch(0.01).add(torch.tensor(sum((d.get(k, []) for d in everything), [])))
+                           for k in merged)
     elif scenario == "kill":
         model, opt = build(world, seed=0)
         loss_of(model, batch(data, 1)).backward()

@@ -179,3 +179,8 @@ def test_sigkill_of_one_rank_mid_save_leaves_previous_step(tmp_path):
 
     dcp.save(plain_full(f"{args['plain']}/1"), storage_writer=CompressedWriter(args["root"], step=3))
     assert root.committed_steps() == [1, 3] and root.step_folders() == [1, 3]
+
+
+def test_sketches_merge_exactly_across_ranks_with_different_keys(tmp_path):
+    res = run_ranks("sketches", 2, {"out": str(tmp_path)})
+    assert all(r["keys"] == ["both", "only0", "only1"] and r["exact"] for r in res), res
