@@ -14,7 +14,9 @@ Every element of a quantizable tensor lands in one of three groups:
 Thresholds are quantiles of LogSketches MERGED PER LAYER TYPE (one pruning threshold for all
 linear weights, one for all conv weights, ...), as the paper prescribes: per tensor would let
 each layer keep a different share, global would cut one layer type's weights for another's
-distribution. Hence two phases::
+distribution. In a sharded save (ckptzip.dcp) every sketch passes through ``dist.shared_sketch``
+keyed by layer type or tensor name, so each shard gets the whole tensor's thresholds and codebook
+(dcp/merge.py runs the collectives). Hence two phases::
 
     plan = fit_layer_thresholds({name: (tensor, layer_type), ...}, DynaQuantConfig(), grads)
     q = quantize(x, name, plan)          # -> QuantizedTensor
