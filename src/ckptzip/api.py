@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .chain import CheckpointChain, Entry, KeyframePolicy, RetentionPolicy
+from .configcheck import Range, check_arg
 from .fitcheck import check_fits
 from .methods.base import EncodeContext
 
@@ -64,8 +65,15 @@ class Compressor:
                  async_save: bool = False, engine_options=None, takeover: bool = False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not 0 <= threshold < 1:
-            raise ValueError(f"threshold is a relative degradation in [0, 1), got {threshold}")
+        for name, value, tp, rule in (
+                ("threshold", threshold, float, Range(ge=0, lt=1, note=" (a relative degradation)")),
+                ("eval_fn", eval_fn, Callable | None, None), ("extra_state", extra_state, Callable | None, None),
+                ("higher_is_better", higher_is_better, bool, None), ("async_save", async_save, bool, None),
+                ("takeover", takeover, bool, None), ("save_every", save_every, int | None, Range(ge=1)),
+                ("grad_window", grad_window, int, Range(ge=1)), ("storage_options", storage_options, dict | None, None),
+                ("keyframe", keyframe, KeyframePolicy | None, None),
+                ("retention", retention, RetentionPolicy | None, None)):
+            check_arg(f"Compressor {name}", value, tp, rule)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.eval_fn, self.threshold, self.higher_is_better = eval_fn, threshold, higher_is_better
         self.extra_state = extra_state
@@ -76,8 +84,9 @@ class Compressor:
             self._recorder = SaveWindowRecorder(model, window=grad_window, save_every=save_every)
         self._engine = None
         if async_save:
-            from .engine import AsyncCheckpointEngine
+            from .engine import AsyncCheckpointEngine, EngineOptions
 
+            check_arg("Compressor engine_options", engine_options, EngineOptions | None)
             self._engine = AsyncCheckpointEngine(url, method, config, options=engine_options,
                                                  keyframe=keyframe, retention=retention,
                                                  storage_options=storage_options, takeover=takeover)

@@ -35,9 +35,11 @@ from dataclasses import dataclass
 import torch
 
 from ..codec import stages as S
+from ..codec.frames import ZSTD_LEVELS
+from ..configcheck import OneOf, Range, check_fields
 from ..errors import ConfigError, CorruptCheckpointError
-from ..quant.excp import (FORMAT, FORMAT_V1, PARTS, ExcpConfig, Part, apply_residual, decode_parts, encode_parts,
-                          quantize_part, read_meta, residual)
+from ..quant.excp import (FORMAT, FORMAT_V1, PARTS, RULES, ExcpConfig, Part, apply_residual, decode_parts,
+                          encode_parts, quantize_part, read_meta, residual)
 from ..state import FlatState, TensorRecord
 from ..tensorbytes import tensor_from_bytes, tensor_to_bytes, torch_dtype
 from . import excp_records as R
@@ -64,18 +66,11 @@ class ExcpFixedConfig:
     exact_min_bytes: int = 4096          # smaller exact tensors go raw into the payload instead
 
     def __post_init__(self):
-        self.tensor_config()  # validates the shared fields with ExcpConfig's messages
-        if self.keyframe_weights not in ("lossless", "kmeans"):
-            raise ConfigError(f"ExcpFixedConfig.keyframe_weights must be 'lossless' or 'kmeans', "
-                              f"got {self.keyframe_weights!r}")
+        check_fields(self, **RULES, keyframe_weights=OneOf(("lossless", "kmeans")),
+                     exact_zstd_level=ZSTD_LEVELS, exact_min_bytes=Range(ge=0))
         if not self.coders or any(c not in CODERS for c in self.coders):
             raise ConfigError(f"ExcpFixedConfig.coders must be a non-empty subset of {tuple(CODERS)}, "
                               f"got {self.coders!r}")
-        if not (isinstance(self.exact_zstd_level, int) and 1 <= self.exact_zstd_level <= 22):
-            raise ConfigError(f"ExcpFixedConfig.exact_zstd_level must be an int in 1..22, "
-                              f"got {self.exact_zstd_level!r}")
-        if not (isinstance(self.exact_min_bytes, int) and self.exact_min_bytes >= 0):
-            raise ConfigError(f"ExcpFixedConfig.exact_min_bytes must be an int >= 0, got {self.exact_min_bytes!r}")
 
     def tensor_config(self) -> ExcpConfig:
         return ExcpConfig(alpha=self.alpha, beta=self.beta, bits=self.bits, codebook_dtype=self.codebook_dtype,

@@ -54,6 +54,7 @@ import torch
 
 from ..codec import bitpack
 from ..codec import stages as S
+from ..configcheck import Range, check_fields
 from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError
 from ..tensorbytes import FLOAT_DTYPES, dtype_name, torch_dtype
 from .base import QuantizedTensor, apply_codebook
@@ -61,6 +62,7 @@ from .base import QuantizedTensor, apply_codebook
 DESCRIPTOR = S.CLUSTER8.descriptor
 _LEVELS = 256  # uint8 grid per cluster
 _MAX_CLUSTERS = 16  # labels are stored as uint4
+N_CLUSTERS = Range(ge=1, le=_MAX_CLUSTERS, note=" (labels are uint4)")
 
 
 @dataclass(frozen=True)
@@ -68,10 +70,7 @@ class Cluster8Config:
     n_clusters: int = 16  # clusters at the fitted normal's quantiles; <= 16 so labels fit in 4 bits
 
     def __post_init__(self):
-        if not isinstance(self.n_clusters, int) or not 1 <= self.n_clusters <= _MAX_CLUSTERS:
-            raise ConfigError(
-                f"n_clusters must be an int in [1, {_MAX_CLUSTERS}] (labels are uint4), got {self.n_clusters!r}"
-            )
+        check_fields(self, n_clusters=N_CLUSTERS)
 
 
 # --------------------------------------------------------------------------- quantize / dequantize

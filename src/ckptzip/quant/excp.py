@@ -61,6 +61,7 @@ import torch
 
 from ..codec import bitpack
 from ..codec import stages as S
+from ..configcheck import OneOf, Range, check_fields
 from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError
 from ..tensorbytes import dtype_name, tensor_from_bytes, tensor_to_bytes, torch_dtype
 from .base import QuantizedTensor, apply_codebook
@@ -69,6 +70,9 @@ FORMAT = S.EXCP_TENSOR.descriptor        # written into every tensor's meta: cod
 FORMAT_V1 = S.EXCP_TENSOR_V1.descriptor  # ckptzip 0.1: codes packed MSB first (read only)
 PARTS = ("dw", "m", "v")     # residual, exp_avg, exp_avg_sq
 _CODEBOOK_DTYPES = ("float16", "float32")
+RULES = dict(alpha=Range(gt=0, lt=math.inf, note=" (paper: 5e-5)"), beta=Range(ge=0, lt=math.inf, note=" (paper: 2.0)"),
+             bits=OneOf(bitpack.WIDTHS, " (paper: 4)"), codebook_dtype=OneOf(_CODEBOOK_DTYPES), seed=Range(ge=0),
+             kmeans_max_iter=Range(ge=1))  # ExcpConfig's fields, shared by methods/excp_fixed.ExcpFixedConfig
 
 
 @dataclass(frozen=True)
@@ -81,20 +85,7 @@ class ExcpConfig:
     kmeans_max_iter: int = 50        # Lloyd iteration cap (stops earlier once assignments settle)
 
     def __post_init__(self):
-        if not (math.isfinite(self.alpha) and self.alpha > 0):
-            raise ConfigError(f"ExcpConfig.alpha must be a finite number > 0 (paper: 5e-5), got {self.alpha}")
-        if not (math.isfinite(self.beta) and self.beta >= 0):
-            raise ConfigError(f"ExcpConfig.beta must be a finite number >= 0 (paper: 2.0), got {self.beta}")
-        if self.bits not in bitpack.WIDTHS:
-            raise ConfigError(f"ExcpConfig.bits must be one of {bitpack.WIDTHS} (paper: 4), got {self.bits}")
-        if self.codebook_dtype not in _CODEBOOK_DTYPES:
-            raise ConfigError(
-                f"ExcpConfig.codebook_dtype must be one of {_CODEBOOK_DTYPES}, got {self.codebook_dtype!r}"
-            )
-        if not (isinstance(self.seed, int) and self.seed >= 0):
-            raise ConfigError(f"ExcpConfig.seed must be an int >= 0, got {self.seed!r}")
-        if not (isinstance(self.kmeans_max_iter, int) and self.kmeans_max_iter >= 1):
-            raise ConfigError(f"ExcpConfig.kmeans_max_iter must be an int >= 1, got {self.kmeans_max_iter!r}")
+        check_fields(self, **RULES)
 
 
 EXCP_FAITHFUL = ExcpConfig()  # the authors' recipe, fp16 codebooks included

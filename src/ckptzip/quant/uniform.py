@@ -41,9 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..configcheck import Range, check_fields
 from ..errors import ConfigError, NonFiniteError
 from ..tensorbytes import FLOAT_DTYPES, dtype_name, torch_dtype
-from .base import MIN_NUMEL, QuantizedTensor, apply_codebook, check_min_numel
+from .base import MIN_NUMEL, MIN_NUMEL_RANGE, QuantizedTensor, apply_codebook
 
 DESCRIPTOR = "uniform-entropy/1"
 _MAX_LEVELS = 1 << 16  # codes stay cheap to histogram and delta-code
@@ -62,15 +63,11 @@ class UniformConfig:
     min_numel: int = MIN_NUMEL  # methods keep smaller tensors exact
 
     def __post_init__(self):
-        check_min_numel(self)
-        for name in ("min_bins", "max_bins"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 2 <= v <= _MAX_LEVELS:
-                raise ConfigError(f"{name} must be an int in [2, {_MAX_LEVELS}], got {v!r}")
+        bins = Range(ge=2, le=_MAX_LEVELS)
+        check_fields(self, min_bins=bins, max_bins=bins, min_numel=MIN_NUMEL_RANGE)
         if self.min_bins > self.max_bins:
-            raise ConfigError(
-                f"min_bins ({self.min_bins}) must be <= max_bins ({self.max_bins}); skip this pair in the search"
-            )
+            raise ConfigError(f"UniformConfig.min_bins ({self.min_bins}) must be <= max_bins ({self.max_bins}); "
+                              "skip this pair in the search")
 
 
 # --------------------------------------------------------------------------- quantize / dequantize
