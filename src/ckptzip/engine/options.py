@@ -30,7 +30,8 @@ class EngineOptions:
 
     def __post_init__(self):
         if isinstance(self.agent_imports, str):
-            raise ConfigError("EngineOptions.agent_imports is a tuple of module names, e.g. ('mypkg.methods',)")
+            raise ConfigError(f"EngineOptions.agent_imports must be a tuple of module names, e.g. ('mypkg.methods',), "
+                              f"got {self.agent_imports!r}")
         seconds = Range(ge=0)
         check_fields(self, redundancy=Range(ge=1), memory_budget_bytes=Range(gt=0), agent_start_timeout_s=seconds,
                      takeover_timeout_s=seconds, orphan_linger_s=seconds, max_agent_restarts=Range(ge=0),
