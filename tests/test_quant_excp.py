@@ -9,7 +9,7 @@ import torch
 from ckptzip.codec import bitpack
 from ckptzip.codec.frames import xz_compress as lzma_compress
 from ckptzip.codec.frames import xz_decompress
-from ckptzip.errors import ConfigError, CorruptCheckpointError, NonFiniteError
+from ckptzip.errors import ConfigError, CorruptCheckpointError, NonFiniteError, UnsupportedStateError
 from ckptzip.quant.excp import (
     EXCP_FAITHFUL,
     ExcpConfig,
@@ -98,6 +98,8 @@ def test_prune_rejects_bad_input():
         prune(x, x, torch.tensor([1.0, float("inf"), 0.0, 0.0]))
     with pytest.raises(ValueError, match="share one shape"):
         prune(x, torch.ones(5), x)
+    with pytest.raises(UnsupportedStateError, match="negative mean"):
+        prune(x, x, -x)
     for bad in (dict(bits=3), dict(codebook_dtype="bfloat16"), dict(alpha=0.0), dict(beta=-1.0),
                 dict(seed=-1), dict(kmeans_max_iter=0)):
         with pytest.raises(ConfigError):

@@ -37,6 +37,13 @@ class UnsafeInputError(CkptzipError, ValueError):
     """Input that would need arbitrary code to load (a pickle with custom classes)."""
 
 
+class UnsupportedStateError(CkptzipError, TypeError, ValueError):
+    """A training state ckptzip cannot store as given: a value with no pickle-free form or a dtype it
+    does not carry (the TypeError json.dumps raises for the same fault), two keys naming one record,
+    optimizer state a method cannot read (ValueErrors). The message names the value and the fix.
+    """
+
+
 class NonFiniteError(CkptzipError, ValueError):
     """A tensor holds inf or NaN where a lossy codec needs finite values."""
 

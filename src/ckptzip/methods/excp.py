@@ -152,7 +152,7 @@ class ExcpMethod(Method):
                     raise CorruptCheckpointError(f"record {name!r} is an ExCP residual; its parent lacks the weights")
                 blobs = {k: R.cut(raw, s, name) for k, s in spans.items()}
                 dw, m, v = decode_tensor(blobs, meta.get("excp"), device=ctx.device)
-                out[name] = R.check(name, apply_residual(w_prev.to(ctx.device), dw), rec)
+                out[name] = R.add_residual(name, w_prev, dw, rec)
                 moments[name] = (m, v)
             elif pipe[0] == FROM_BASE and prev is not None:
                 b = prev.base.get(name)

@@ -212,7 +212,7 @@ class ExcpFixedMethod(Method):
                 if w_prev is None or pipe[0] != S.EXCP_RESIDUAL.descriptor or set(parts) != set(PARTS):
                     raise CorruptCheckpointError(f"record {name!r} is an ExCP residual; its parent lacks the weights")
                 dw, m, v = decode_parts(parts, tmeta, ctx.device)
-                return R.check(name, apply_residual(w_prev.to(ctx.device), dw), rec), (m, v)
+                return R.add_residual(name, w_prev, dw, rec), (m, v)
             if not {"m", "v"} <= set(parts):
                 raise CorruptCheckpointError(f"record {name!r} keyframe lacks its moment parts")
             m, v = self._values(parts, tmeta, ("m", "v"), ctx.device)

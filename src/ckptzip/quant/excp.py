@@ -62,7 +62,7 @@ import torch
 from ..codec import bitpack
 from ..codec import stages as S
 from ..configcheck import OneOf, Range, check_fields
-from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError
+from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError, UnsupportedStateError
 from ..tensorbytes import dtype_name, tensor_from_bytes, tensor_to_bytes, torch_dtype
 from .base import QuantizedTensor, apply_codebook
 
@@ -141,7 +141,8 @@ def prune(dw: torch.Tensor, m: torch.Tensor, v: torch.Tensor, config: ExcpConfig
     dw32, m32, v32 = dw.to(torch.float32), m.to(torch.float32), v.to(torch.float32)
     mean_v = float(v32.mean()) if v32.numel() else 0.0
     if mean_v < 0:
-        raise ValueError(f"exp_avg_sq has a negative mean ({mean_v}); pass the optimizer's second moment")
+        raise UnsupportedStateError(f"exp_avg_sq has a negative mean ({mean_v}): not an Adam second moment; "
+                                    "store this state with another method (e.g. lossless)")
     # mean(v) == 0 -> alpha / 0 = inf -> the 2.5 cap, as min(2.5, inf) gives in the authors' code
     f = 2.5 if mean_v == 0 else min(2.5, config.alpha / math.sqrt(mean_v))
     abs_dw = dw32.abs()

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from ..configcheck import OneOf, Range, check_fields
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptCheckpointError
 from ..tensorbytes import dtype_name, torch_dtype
 from .base import MIN_NUMEL, MIN_NUMEL_RANGE, QuantizedTensor
 from .uniform import flat_float32
@@ -116,7 +116,7 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
     out = q.side["outliers"]
     mask = q.codes == k
     if int(mask.sum()) != out.numel():
-        raise ValueError(f"gobo: {int(mask.sum())} outlier codes but {out.numel()} stored outliers")
+        raise CorruptCheckpointError(f"gobo: {int(mask.sum())} outlier codes but {out.numel()} stored outliers")
     y[mask] = out.to(work)
     return y.reshape(q.shape).to(torch_dtype(q.dtype))
 
