@@ -161,3 +161,12 @@ def test_check_fields_refuses_a_rule_for_no_field():
     with pytest.raises(TypeError, match="no field"):
         check_fields(C(), b=Range(ge=0))
     check_fields(C(), a=OneOf((1, 2)))
+
+
+def test_method_names_are_checked():
+    from ckptzip.errors import UnknownMethodError
+
+    with pytest.raises(UnknownMethodError, match="no integer version"):
+        get_method("lossless/x")
+    with pytest.raises(ConfigError, match="named by a string"):
+        get_method(5)

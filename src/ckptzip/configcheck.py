@@ -49,10 +49,10 @@ class Range:
         lo = f"[{self.ge}" if self.ge is not None else f"({self.gt}" if self.gt is not None else ""
         hi = f"{self.le}]" if self.le is not None else f"{self.lt})" if self.lt is not None else ""
         if lo and hi:
-            return f"{kind} in {lo}, {hi}{self.note}"
+            return f"{kind} in {lo}, {hi}"
         if lo:
-            return f"{kind} {'>=' if self.ge is not None else '>'} {lo[1:]}{self.note}"
-        return f"{kind} {'<=' if self.le is not None else '<'} {hi[:-1]}{self.note}"
+            return f"{kind} {'>=' if self.ge is not None else '>'} {lo[1:]}"
+        return f"{kind} {'<=' if self.le is not None else '<'} {hi[:-1]}"
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class OneOf:
         return v in tuple(self.choices)
 
     def text(self, kind: str) -> str:
-        return f"one of {tuple(self.choices)}{self.note}"
+        return f"one of {tuple(self.choices)}"
 
 
 @functools.cache
@@ -141,11 +141,19 @@ def check_arg(what: str, value, tp, rule: Range | OneOf | None = None):
     want = describe(tp)
     if rule is not None:
         want = rule.text(describe(next(a for a in parts if a is not type(None))))
-        want += " or None" if type(None) in parts else ""
+        want += (" or None" if type(None) in parts else "") + rule.note
     got = f"{value!r}" if ok else f"{value!r} ({type(value).__name__})"
     hint = f"; build a {tp.__name__}(...) or pass the dict through get_method" \
         if isinstance(value, dict) and dataclasses.is_dataclass(tp) else ""
     raise ConfigError(f"{what} must be {want}, got {got}{hint}")
+
+
+def check_args(who: str, spec: dict, **values) -> None:
+    """Each keyword argument against ``spec[name] = (annotation, rule or None)``; a failure names
+    ``who`` and the argument: ``Compressor threshold must be a number in [0, 1), got 2``."""
+    for name, value in values.items():
+        tp, rule = spec[name]
+        check_arg(f"{who} {name}", value, tp, rule)
 
 
 def check_fields(config, **rules: Range | OneOf) -> None:
