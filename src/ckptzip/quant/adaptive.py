@@ -54,8 +54,8 @@ import torch
 from ..configcheck import Range, check_fields
 from ..errors import ConfigError
 from ..tensorbytes import dtype_name, torch_dtype
-from .base import MIN_NUMEL, MIN_NUMEL_RANGE, QuantizedTensor, apply_codebook
-from .uniform import flat_float32, uniform_codebook, uniform_codes, uniform_scale, uniform_values
+from .base import MIN_NUMEL, MIN_NUMEL_RANGE, QuantizedTensor, apply_codebook, flat_float32
+from .uniform import uniform_codebook, uniform_codes, uniform_scale, uniform_values
 
 DESCRIPTOR = "adaptive-greedy/1"
 _MAX_LEVELS = 1 << 16

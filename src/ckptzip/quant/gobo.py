@@ -48,8 +48,7 @@ import torch
 from ..configcheck import OneOf, Range, check_fields
 from ..errors import ConfigError, CorruptCheckpointError
 from ..tensorbytes import dtype_name, torch_dtype
-from .base import MIN_NUMEL, MIN_NUMEL_RANGE, QuantizedTensor
-from .uniform import flat_float32
+from .base import MIN_NUMEL, MIN_NUMEL_RANGE, QuantizedTensor, flat_float32
 
 DESCRIPTOR = "gobo-kmedians/1"
 _MAX_LEVELS = 1 << 16
