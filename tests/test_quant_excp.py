@@ -364,3 +364,15 @@ def test_cuda_matches_cpu(digits_snapshots):
     assert same >= len(b_cpu) - 2  # float64 sums may differ in the last bit on another device
     out = decode_tensor(b_gpu, meta_gpu, device="cuda")
     assert all(t.is_cuda for t in out)
+
+
+def test_malformed_meta_is_corrupt():
+    from ckptzip.quant.excp import FORMAT, read_meta
+
+    with pytest.raises(CorruptCheckpointError, match=r"ExCP record meta is malformed \(KeyError\('shape'\)\)"):
+        read_meta({"format": FORMAT})
+    with pytest.raises(CorruptCheckpointError, match="has format 'x/9'"):  # our own error passes unchanged
+        read_meta({"format": "x/9"})
+    with pytest.raises(CorruptCheckpointError, match="unknown dtype name 'f8'"):
+        read_meta({"format": FORMAT, "shape": [2], "bits": 4, "codebook_dtype": "float32", "parts": {},
+                   "dtypes": {"m": "f8", "v": "float32"}})

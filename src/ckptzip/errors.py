@@ -1,6 +1,8 @@
 """Typed errors. Each subclasses the builtin it refines, so callers can catch either."""
 from __future__ import annotations
 
+import contextlib
+
 
 class CkptzipError(Exception):
     """Base of every error ckptzip raises on purpose."""
@@ -109,6 +111,19 @@ class StorageReadOnlyError(StorageError, PermissionError):
 
 class StorageUnavailableError(StorageError):
     """Transient errors (timeouts, throttling, 5xx, dropped connections) outlasted the retry budget."""
+
+
+@contextlib.contextmanager
+def malformed(what: str):
+    """Metadata read from a file inside the block: a KeyError, TypeError, ValueError, AttributeError
+    or IndexError (a missing key, a wrong type) becomes ``CorruptCheckpointError("<what> is
+    malformed (...)")``; a CorruptCheckpointError or FormatVersionError raised inside passes unchanged."""
+    try:
+        yield
+    except (CorruptCheckpointError, FormatVersionError):
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise CorruptCheckpointError(f"{what} is malformed ({e!r})") from None
 
 
 def _rebuild_storage_error(cls, message, errno):

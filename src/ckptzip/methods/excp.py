@@ -134,10 +134,7 @@ class ExcpMethod(Method):
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
-        raw = R.read_payload(encoded)
-        prev = R.checked_reference(reference, self.name)
-        if not encoded.keyframe and prev is None:
-            raise CorruptCheckpointError("ExCP delta checkpoint decoded without its parent's reference")
+        raw, prev = R.open_file(encoded, reference, self.name)
         out: dict[str, torch.Tensor] = {}
         moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         later = []

@@ -37,7 +37,7 @@ import torch
 from ..codec import stages as S
 from ..codec.frames import ZSTD_LEVELS
 from ..configcheck import OneOf, Range, check_fields
-from ..errors import ConfigError, CorruptCheckpointError
+from ..errors import ConfigError, CorruptCheckpointError, malformed
 from ..quant.excp import (FORMAT, FORMAT_V1, PARTS, RULES, ExcpConfig, Part, apply_residual, decode_parts,
                           encode_parts, quantize_part, read_meta, residual)
 from ..state import FlatState, TensorRecord
@@ -159,10 +159,7 @@ class ExcpFixedMethod(Method):
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
-        raw = R.read_payload(encoded)
-        prev = R.checked_reference(reference, self.name)
-        if not encoded.keyframe and prev is None:
-            raise CorruptCheckpointError("ExCP delta checkpoint decoded without its parent's reference")
+        raw, prev = R.open_file(encoded, reference, self.name)
         if R.CODES not in encoded.blobs:
             raise CorruptCheckpointError("excp-fixed checkpoint lacks its 'codes' blob")
         streams = StreamReader(encoded.blobs[R.CODES], encoded.meta.get("streams") or {}, self.config.bits)
@@ -189,7 +186,7 @@ class ExcpFixedMethod(Method):
 
     def _decode_joint(self, name, rec, pipe, tmeta, raw, streams, encoded, prev, ctx):
         """One parameter: its weight and (m^, v^)."""
-        try:
+        with malformed(f"record {name!r}: ExCP meta"):
             shape, bits, _ = read_meta(tmeta, (FORMAT, FORMAT_V1, KEYFRAME_FORMAT))
             numel = math.prod(shape)
             parts: dict[str, Part] = {}
@@ -223,10 +220,6 @@ class ExcpFixedMethod(Method):
             else:
                 raise CorruptCheckpointError(f"record {name!r} keyframe weight has pipeline {pipe}")
             return R.check(name, w, rec), (m, v)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            if isinstance(e, CorruptCheckpointError):
-                raise
-            raise CorruptCheckpointError(f"record {name!r}: ExCP meta is malformed ({e!r})") from None
 
 
 __all__ = ["ExcpFixedMethod", "ExcpFixedConfig"]

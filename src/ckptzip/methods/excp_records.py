@@ -58,6 +58,16 @@ def checked_reference(reference: Reference | None, method: str) -> ExcpReference
     return reference
 
 
+def open_file(encoded: Encoded, reference: Reference | None, method: str) -> tuple[bytes, ExcpReference | None]:
+    """(the decompressed payload, the parent's reference) of a file about to be decoded; a delta
+    decoded without its parent's reference is refused."""
+    raw = read_payload(encoded)
+    prev = checked_reference(reference, method)
+    if not encoded.keyframe and prev is None:
+        raise CorruptCheckpointError(f"{method} delta checkpoint decoded without its parent's reference")
+    return raw, prev
+
+
 class SpanWriter:
     """One growing byte string; ``add`` returns the ``[offset, length]`` of what it appended."""
 

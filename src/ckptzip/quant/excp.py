@@ -62,7 +62,7 @@ import torch
 from ..codec import bitpack
 from ..codec import stages as S
 from ..configcheck import OneOf, Range, check_fields
-from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError, UnsupportedStateError
+from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError, UnsupportedStateError, malformed
 from ..tensorbytes import dtype_name, tensor_from_bytes, tensor_to_bytes, torch_dtype
 from .base import QuantizedTensor, apply_codebook
 
@@ -327,7 +327,7 @@ def encode_parts(dw: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
 
 def read_meta(meta: dict, formats: tuple[str, ...] = (FORMAT, FORMAT_V1)) -> tuple[tuple[int, ...], int, str]:
     """(shape, bits, codebook dtype) of a tensor meta, validated; CorruptCheckpointError if malformed."""
-    try:
+    with malformed("ExCP record meta"):
         if meta["format"] not in formats:
             raise CorruptCheckpointError(f"ExCP record has format {meta['format']!r}, this reader knows "
                                          f"{', '.join(formats)}")
@@ -335,10 +335,6 @@ def read_meta(meta: dict, formats: tuple[str, ...] = (FORMAT, FORMAT_V1)) -> tup
         modes = {meta["parts"][p]["mode"] for p in meta["parts"]}
         for p in ("m", "v"):
             torch_dtype(meta["dtypes"][p])
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        if isinstance(e, CorruptCheckpointError):
-            raise
-        raise CorruptCheckpointError(f"ExCP record meta is malformed ({e!r})") from None
     if bits not in bitpack.WIDTHS or cb_dtype not in _CODEBOOK_DTYPES or any(s < 0 for s in shape):
         raise CorruptCheckpointError(f"ExCP record meta has bits={bits}, codebook_dtype={cb_dtype!r}, shape={shape}")
     if not modes <= {"kmeans", "dense"}:
