@@ -12,9 +12,11 @@ the call, on values whose types are known by then.
 Types come from the annotations: ``int`` (a bool is not one), ``float`` (an int is one), ``bool``,
 ``str``, ``dict``, ``tuple[X, ...]`` (a list is accepted and kept as a tuple), a nested config
 class, ``X | None`` (None skips the rule); a field annotated ``object`` is left to its class.
-``methods/base.py`` runs :func:`check_value` on every value of a config dict before it builds the
-config and :func:`check_tree` on every config a method is given, so a config class that does not
-call ``check_fields`` itself still refuses a wrong type there, by field name.
+A method (methods/base.py) runs :func:`check_tree` on the config it is given, and names the field
+(:func:`check_value`) where building a config from a dict raised a TypeError, so a config class
+that does not call ``check_fields`` itself still refuses a wrong type there, by field name.
+Function arguments: :func:`check_arg` (one) and :func:`check_args` (a spec of several), e.g.
+``Compressor threshold must be a number in [0, 1), got 2``.
 """
 from __future__ import annotations
 
