@@ -54,6 +54,10 @@ class ConfigError(CkptzipError, ValueError):
     """A configuration value out of its valid range."""
 
 
+class StepOrderError(CkptzipError, ValueError):
+    """A save's step is not after the chain's latest step (save increasing steps, or start a new chain)."""
+
+
 class AgentError(CkptzipError, RuntimeError):
     """The asynchronous checkpoint agent failed; carries the agent's traceback.
 
