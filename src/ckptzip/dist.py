@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .errors import ConfigError
+
 
 def world(group=None) -> tuple[int, int]:
     """(rank, size) of this process in ``group``; (0, 1) when group is None."""
@@ -41,8 +43,8 @@ def world(group=None) -> tuple[int, int]:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("a process group was given but torch.distributed is not initialized; "
-                           "call torch.distributed.init_process_group first or pass group=None")
+        raise ConfigError("a process group was given but torch.distributed is not initialized; "
+                          "call torch.distributed.init_process_group first or pass group=None")
     return dist.get_rank(group), dist.get_world_size(group)
 
 
