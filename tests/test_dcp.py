@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from ckptzip.dcp import CompressedReader, CompressedWriter, forget, tools
 from ckptzip.dcp.layout import Root
 from ckptzip.chain import KeyframePolicy, RetentionPolicy
-from ckptzip.errors import (CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError,
+from ckptzip.errors import (CkptzipError, CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError,
                             UnsafeInputError)
 from helpers import assert_same
 from test_storage_s3 import s3_endpoint  # noqa: F401 - the moto S3 server fixture
@@ -235,3 +235,14 @@ def test_cli_on_a_dcp_root(tmp_path):
     (root / "step-000000000002" / "rank-00000.ckz").write_bytes(b"garbage")
     r = cli("verify", root)
     assert r.exit_code == 1 and "step-000000000002/rank-00000.ckz" in r.stdout and "FAILED" in r.stdout, r.output
+
+
+@pytest.mark.parametrize("kw, msg", [({"step": -1}, "CompressedWriter step must be an int >= 0"),
+                                     ({"step": 1.5}, "CompressedWriter step must be an int"),
+                                     ({"step": 1, "threshold": -0.1}, "CompressedWriter threshold"),
+                                     ({"step": 1, "eval_fn": 3}, "eval_fn must be a callable"),
+                                     ({"step": 1, "method": "nope"}, "unknown method 'nope'")])
+def test_writer_refuses_bad_arguments(tmp_path, kw, msg):
+    with pytest.raises(CkptzipError, match=msg):
+        CompressedWriter(tmp_path, **kw)
+    assert not any(tmp_path.iterdir())  # nothing written

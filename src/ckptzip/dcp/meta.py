@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    MetadataIndex, StorageMeta, TensorProperties,
                                                    TensorStorageMetadata)
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, malformed
 from ..tensorbytes import dtype_name, torch_dtype
 
 
@@ -82,7 +82,7 @@ def from_metadata(md: Metadata, chunk_ranks: dict[tuple[str, tuple[int, ...]], i
 
 def to_metadata(doc: dict, where: str) -> tuple[Metadata, dict[MetadataIndex, int]]:
     """(DCP Metadata, storage index -> rank) from the JSON form."""
-    try:
+    with malformed(f"{where}: the DCP metadata"):
         sdm: dict = {}
         ranks: dict[MetadataIndex, int] = {}
         for fqn, t in doc["tensors"].items():
@@ -99,6 +99,4 @@ def to_metadata(doc: dict, where: str) -> tuple[Metadata, dict[MetadataIndex, in
         storage_meta = StorageMeta(**smd) if isinstance(smd, dict) else StorageMeta()
         md = Metadata(state_dict_metadata=sdm, planner_data=decode_value(doc.get("planner_data")),
                       storage_data=dict(ranks), storage_meta=storage_meta, version=doc.get("dcp_version"))
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"{where}: malformed DCP metadata ({e.__class__.__name__}: {e})") from None
     return md, ranks

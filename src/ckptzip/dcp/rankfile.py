@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import zstandard
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, malformed
 from ..format import decode_container, encode_container, sha256
 from ..methods.base import DecodeContext, Encoded, Method, method_for_file
 from ..state import TensorRecord
@@ -150,8 +150,8 @@ def replay(root: Root, step: int, rank: int, sha: str | None, *, device="cpu", m
     Returns the file and the method's reference after it (what a delta on top would use).
 
     ``only``: the chunks the caller needs, as (fqn, offsets) (a loading rank that wants a few
-    replicated tensors of another rank's file); methods decode records independently unless one depends on another
-    (DynaQuant's m on its v), in which case the whole file is decoded after all. ``verify_exact``:
+    replicated tensors of another rank's file); methods decode records independently unless one
+    depends on another (DynaQuant's m on its v), in which case the whole file is decoded after all. ``verify_exact``:
     for lossless methods, also check every decoded record against the checksum of what was saved.
     Every file's blobs are hashed once; its header digest must match what its commit or child recorded."""
     methods = {} if methods is None else methods
@@ -167,29 +167,34 @@ def _replay(root: Root, step: int, rank: int, sha, device, methods: dict, only, 
     path = []  # (step, container), newest first
     cur_step, cur_sha, why = step, sha, "committed"
     while True:
-        c = _parse(_read(root, cur_step, rank, cur_sha, why), root.where(cur_step, rank_file(rank)), cur_step, rank)
+        where = root.where(cur_step, rank_file(rank))
+        c = _parse(_read(root, cur_step, rank, cur_sha, why), where, cur_step, rank)
         path.append((cur_step, c))
-        if c.manifest["keyframe"]:
-            break
+        with malformed(f"{where}: the manifest"):
+            if c.manifest["keyframe"]:
+                break
+            cur_step, cur_sha = int(c.manifest["parent_step"]), str(c.manifest["parent_sha256"])
         if len(path) > 10_000:
             raise CorruptCheckpointError(f"{root.url}: rank {rank} parent links do not reach a keyframe")
-        cur_step, cur_sha, why = c.manifest["parent_step"], c.manifest["parent_sha256"], f"step {step} needs this parent"
+        why = f"step {step} needs this parent"
     if only is not None:  # chunk keys -> the records that hold them (an alias's stored record)
         newest = path[0][1].manifest
-        index = {(c[0], tuple(c[1])): n for n, c in newest["chunks"].items()}
-        only = {newest["aliases"].get(index[k], index[k]) for k in only if k in index}
+        with malformed(f"{root.where(step, rank_file(rank))}: the chunk table"):
+            index = {(c[0], tuple(c[1])): n for n, c in newest["chunks"].items()}
+            only = {newest["aliases"].get(index[k], index[k]) for k in only if k in index}
     ref = None
     for s, c in reversed(path):
         m = c.manifest
-        key = m["method"] + json.dumps(m.get("config", {}), sort_keys=True)
-        if key not in methods:
-            methods[key] = method_for_file(m["method"], m.get("config"))
-        wanted = m["records"] if only is None else {n: r for n, r in m["records"].items() if n in only}
-        records = {n: TensorRecord.from_dict(n, r) for n, r in wanted.items()}
-        enc = Encoded(records={n: {"pipeline": r["pipeline"], "meta": r.get("meta", {}), "blobs": r["blobs"]}
-                               for n, r in m["records"].items()},
-                      blobs=c.blobs, meta=m.get("method_meta", {}), keyframe=m["keyframe"])
         where = root.where(s, rank_file(rank))
+        with malformed(f"{where}: the manifest"):
+            key = m["method"] + json.dumps(m.get("config", {}), sort_keys=True)
+            if key not in methods:
+                methods[key] = method_for_file(m["method"], m.get("config"))
+            wanted = m["records"] if only is None else {n: r for n, r in m["records"].items() if n in only}
+            records = {n: TensorRecord.from_dict(n, r) for n, r in wanted.items()}
+            enc = Encoded(records={n: {"pipeline": r["pipeline"], "meta": r.get("meta", {}), "blobs": r["blobs"]}
+                                   for n, r in m["records"].items()},
+                          blobs=c.blobs, meta=m.get("method_meta", {}), keyframe=m["keyframe"])
         try:
             tensors, ref = methods[key].decode(records, enc, ref, ctx=DecodeContext(step=s, device=device))
         except CorruptCheckpointError as e:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ..configcheck import Range, check_args
 from ..errors import CorruptCheckpointError
 from . import meta, merge, rankfile
 from .layout import METADATA, Root, parse_metadata
@@ -38,8 +39,10 @@ class CompressedReader(StorageReader):
     def __init__(self, root, step: int | None = None, *, storage_options: dict | None = None,
                  device: str = "cpu", process_group=None):
         super().__init__()
+        check_args("CompressedReader", {"step": (int | None, Range(ge=0)), "storage_options": (dict | None, None)},
+                   step=step, storage_options=storage_options)
         self.root = Root(root, storage_options)
-        self.step = None if step is None else int(step)
+        self.step = step
         self.device = device
         self.process_group = process_group
         self.load_id = uuid.uuid4().hex

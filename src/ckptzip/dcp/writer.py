@@ -36,11 +36,18 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..chain import KeyframePolicy, RetentionPolicy
+from ..configcheck import Range, check_args
+from ..errors import ConfigError, StepOrderError
 from ..methods.base import EncodeContext, Method, get_method
 from ..methods.quantizing import QuantizingMethod
 from . import memory, meta, merge, rankfile
 from .layout import SHARED, Root, rank_file
 from .shardstate import ShardState, build_shard_state
+
+
+WRITER_ARGS = {"step": (int, Range(ge=0)), "keyframe": (KeyframePolicy | None, None),
+               "retention": (RetentionPolicy | None, None), "storage_options": (dict | None, None),
+               "threshold": (float, Range(ge=0)), "higher_is_better": (bool, None), "chunk_checksums": (bool, None)}
 
 
 class CompressedWriter(StorageWriter):
@@ -55,10 +62,13 @@ class CompressedWriter(StorageWriter):
                  eval_fn=None, threshold: float = 0.01, higher_is_better: bool = False,
                  process_group=None, chunk_checksums: bool = False):
         super().__init__()
+        check_args("CompressedWriter", WRITER_ARGS, step=step, keyframe=keyframe, retention=retention,
+                   storage_options=storage_options, threshold=threshold, higher_is_better=higher_is_better,
+                   chunk_checksums=chunk_checksums)
+        if eval_fn is not None and not callable(eval_fn):
+            raise ConfigError("CompressedWriter eval_fn must be a callable eval_fn(model) -> float score")
         self.root = Root(root, storage_options)
-        self.step = int(step)
-        if self.step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+        self.step = step
         self.method = method if isinstance(method, Method) else get_method(method, config)
         self.keyframe = keyframe or KeyframePolicy()
         self.retention = retention or RetentionPolicy()
@@ -86,8 +96,8 @@ class CompressedWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._previous = latest = self.root.latest_step(default=None)
         if latest is not None and self.step <= latest:
-            raise ValueError(f"step {self.step} is not after the latest committed step {latest} under "
-                             f"{self.root.url}; save increasing steps (or use a new root)")
+            raise StepOrderError(f"step {self.step} is not after the latest committed step {latest} under "
+                                 f"{self.root.url}; save increasing steps (or use a new root)")
         return _gather_replicated(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
