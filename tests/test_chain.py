@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ckptzip.chain import INDEX, CheckpointChain, KeyframePolicy, RetentionPolicy, checkpoint_file
-from ckptzip.errors import CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError
+from ckptzip.errors import CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError, StepOrderError
 from ckptzip.format import encode_container, sha256
 from ckptzip.methods.base import EncodeContext
 from helpers import assert_same  # noqa: E402
@@ -261,7 +261,7 @@ def test_steps_must_increase(tmp_path):
     states = _tiny_states(2)
     chain.save(states[0][1], step=5)
     for bad in (5, 4, -1):
-        with pytest.raises(ValueError, match=f"step {bad} is not after the chain's latest step 5"):
+        with pytest.raises(StepOrderError, match=f"step {bad} is not after the chain's latest step 5"):
             chain.save(states[1][1], step=bad)
     assert chain.steps() == [5] and stored_files(chain) == {INDEX, checkpoint_file(5)}
 

@@ -18,8 +18,18 @@ import numpy as np
 import torch
 
 from .chain import CheckpointChain, Entry, KeyframePolicy, RetentionPolicy
+from .configcheck import Range, check_arg, check_args
 from .fitcheck import check_fits
 from .methods.base import EncodeContext
+
+
+# the training-loop arguments of Compressor (and of the integrations that share them): annotation, rule
+ARGS = {"threshold": (float, Range(ge=0, lt=1, note=" (a relative degradation)")),
+        "eval_fn": (Callable | None, None), "higher_is_better": (bool, None),
+        "keyframe": (KeyframePolicy | None, None), "retention": (RetentionPolicy | None, None),
+        "extra_state": (Callable | None, None), "storage_options": (dict | None, None),
+        "save_every": (int | None, Range(ge=1)), "grad_window": (int, Range(ge=1)),
+        "async_save": (bool, None), "takeover": (bool, None)}
 
 
 def rng_state() -> dict:
@@ -69,8 +79,9 @@ class Compressor:
                  async_save: bool = False, engine_options=None, takeover: bool = False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not 0 <= threshold < 1:
-            raise ValueError(f"threshold is a relative degradation in [0, 1), got {threshold}")
+        check_args("Compressor", ARGS, threshold=threshold, eval_fn=eval_fn, higher_is_better=higher_is_better,
+                   keyframe=keyframe, retention=retention, extra_state=extra_state, storage_options=storage_options,
+                   save_every=save_every, grad_window=grad_window, async_save=async_save, takeover=takeover)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.eval_fn, self.threshold, self.higher_is_better = eval_fn, threshold, higher_is_better
         self.extra_state = extra_state
@@ -81,8 +92,9 @@ class Compressor:
             self._recorder = SaveWindowRecorder(model, window=grad_window, save_every=save_every)
         self._engine = self._searcher = None
         if async_save:
-            from .engine import AsyncCheckpointEngine
+            from .engine import AsyncCheckpointEngine, EngineOptions
 
+            check_arg("Compressor engine_options", engine_options, EngineOptions | None)
             self._engine = AsyncCheckpointEngine(url, method, config, options=engine_options,
                                                  keyframe=keyframe, retention=retention,
                                                  storage_options=storage_options, takeover=takeover)

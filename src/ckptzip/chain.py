@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from .codec.stages import check_pipeline
+from .configcheck import Range, check_args
 from .errors import (ChainBusyError, CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError,
-                     StorageError, WriteConflictError)
+                     StepOrderError, StorageError, WriteConflictError, malformed)
 from .format import decode_container, encode_container, sha256
 from .index import INDEX, Entry, Index, checkpoint_file, dumps, parse, replay_path
 from .lease import Lease
@@ -56,6 +57,11 @@ class Restored:
     manifest: dict
 
 
+CHAIN_ARGS = {"keyframe": (KeyframePolicy | None, None), "retention": (RetentionPolicy | None, None),
+              "storage_options": (dict | None, None), "takeover": (bool, None), "lease_s": (float, Range(gt=0)),
+              "retry": (RetryPolicy | None, None)}
+
+
 class CheckpointChain:
     """Save and restore a training state as a chain of compressed checkpoints.
 
@@ -74,6 +80,8 @@ class CheckpointChain:
                  retry: RetryPolicy | None = None):
         from .storage import Storage
 
+        check_args("CheckpointChain", CHAIN_ARGS, keyframe=keyframe, retention=retention,
+                   storage_options=storage_options, takeover=takeover, lease_s=lease_s, retry=retry)
         self.storage = Storage(url, storage_options, retry=retry)
         self.url = str(url)
         self.method = method if isinstance(method, Method) else get_method(method, config)
@@ -148,7 +156,7 @@ class CheckpointChain:
             base, record = self._claim()
             entries = failure.entries = base.entries
             if entries and step <= entries[-1].step:
-                raise ValueError(f"step {step} is not after the chain's latest step {entries[-1].step}; "
+                raise StepOrderError(f"step {step} is not after the chain's latest step {entries[-1].step}; "
                                  "save increasing steps (or start a new chain, or truncate this one)")
             ctx = ctx or EncodeContext(step=step, model=model)
             if ctx.step != step:
@@ -297,13 +305,14 @@ class CheckpointChain:
             m = c.manifest
             if m.get("step") != s:
                 raise CorruptCheckpointError(f"{self.storage.path(e.file)}: holds step {m.get('step')}, index says {s}")
-            key = m["method"] + json.dumps(m.get("config", {}), sort_keys=True)
+            with malformed(f"{self.storage.path(e.file)}: manifest"):
+                key = m["method"] + json.dumps(m.get("config", {}), sort_keys=True)
+                records = {n: TensorRecord.from_dict(n, r) for n, r in m["records"].items()}
+                enc = Encoded(records={n: {"pipeline": r["pipeline"], "meta": r.get("meta", {}), "blobs": r["blobs"]}
+                                       for n, r in m["records"].items()},
+                              blobs=c.blobs, meta=m.get("method_meta", {}), keyframe=m["keyframe"])
             if key not in methods:
                 methods[key] = method_for_file(m["method"], m.get("config"))
-            records = {n: TensorRecord.from_dict(n, r) for n, r in m["records"].items()}
-            enc = Encoded(records={n: {"pipeline": r["pipeline"], "meta": r.get("meta", {}), "blobs": r["blobs"]}
-                                   for n, r in m["records"].items()},
-                          blobs=c.blobs, meta=m.get("method_meta", {}), keyframe=m["keyframe"])
             for n, r in enc.records.items():  # every stage known before the method reads a byte
                 check_pipeline(r["pipeline"], record=n, method=m["method"].partition("/")[0])
             tensors, ref = methods[key].decode(records, enc, ref, ctx=DecodeContext(step=s, device=device))

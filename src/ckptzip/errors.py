@@ -1,6 +1,8 @@
 """Typed errors. Each subclasses the builtin it refines, so callers can catch either."""
 from __future__ import annotations
 
+import contextlib
+
 
 class CkptzipError(Exception):
     """Base of every error ckptzip raises on purpose."""
@@ -37,12 +39,23 @@ class UnsafeInputError(CkptzipError, ValueError):
     """Input that would need arbitrary code to load (a pickle with custom classes)."""
 
 
+class UnsupportedStateError(CkptzipError, TypeError, ValueError):
+    """A training state ckptzip cannot store as given: a value with no pickle-free form or a dtype it
+    does not carry (the TypeError json.dumps raises for the same fault), two keys naming one record,
+    optimizer state a method cannot read (ValueErrors). The message names the value and the fix.
+    """
+
+
 class NonFiniteError(CkptzipError, ValueError):
     """A tensor holds inf or NaN where a lossy codec needs finite values."""
 
 
 class ConfigError(CkptzipError, ValueError):
     """A configuration value out of its valid range."""
+
+
+class StepOrderError(CkptzipError, ValueError):
+    """A save's step is not after the chain's latest step (save increasing steps, or start a new chain)."""
 
 
 class AgentError(CkptzipError, RuntimeError):
@@ -102,6 +115,19 @@ class StorageReadOnlyError(StorageError, PermissionError):
 
 class StorageUnavailableError(StorageError):
     """Transient errors (timeouts, throttling, 5xx, dropped connections) outlasted the retry budget."""
+
+
+@contextlib.contextmanager
+def malformed(what: str):
+    """Metadata read from a file inside the block: a KeyError, TypeError, ValueError, AttributeError
+    or IndexError (a missing key, a wrong type) becomes ``CorruptCheckpointError("<what> is
+    malformed (...)")``; a CorruptCheckpointError or FormatVersionError raised inside passes unchanged."""
+    try:
+        yield
+    except (CorruptCheckpointError, FormatVersionError):
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise CorruptCheckpointError(f"{what} is malformed ({e!r})") from None
 
 
 def _rebuild_storage_error(cls, message, errno):

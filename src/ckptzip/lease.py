@@ -31,6 +31,7 @@ import socket
 import time
 import uuid
 
+from .configcheck import Range, check_arg
 from .errors import ChainBusyError
 
 _ME: dict = {}
@@ -70,8 +71,7 @@ class Lease:
     """One writer's claim on one chain (or any document committed by compare-and-swap)."""
 
     def __init__(self, url: str, *, takeover: bool = False, lease_s: float = 600.0):
-        if lease_s <= 0:
-            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        check_arg("Lease lease_s", lease_s, float, Range(gt=0))
         self.url, self.takeover, self.lease_s = url, takeover, float(lease_s)
         self.generation: int | None = None   # the generation this writer holds (None: never held)
 

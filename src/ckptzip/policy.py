@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .configcheck import Range, check_fields
 from .index import Entry, replay_path
 
 
@@ -19,10 +20,7 @@ class KeyframePolicy:
                                                  # one exceed this multiple of its size
 
     def __post_init__(self):
-        if self.every < 1:
-            raise ValueError(f"KeyframePolicy.every must be >= 1, got {self.every}")
-        if self.max_replay is not None and self.max_replay < 0:
-            raise ValueError(f"KeyframePolicy.max_replay must be >= 0, got {self.max_replay}")
+        check_fields(self, every=Range(ge=1), max_replay=Range(ge=0), max_replay_bytes_ratio=Range(ge=0))
 
 
 @dataclass(frozen=True)
@@ -31,10 +29,7 @@ class RetentionPolicy:
     keep_every: int | None = None     # also keep every step divisible by this
 
     def __post_init__(self):
-        for f in ("keep_last", "keep_every"):
-            v = getattr(self, f)
-            if v is not None and v < 1:
-                raise ValueError(f"RetentionPolicy.{f} must be >= 1 or None, got {v}")
+        check_fields(self, keep_last=Range(ge=1), keep_every=Range(ge=1))
 
 
 def keyframe_due(policy: KeyframePolicy, entries: list[Entry], ref_step: int, url: str) -> bool:

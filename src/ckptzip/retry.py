@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
+from .configcheck import Range, check_fields
 from .errors import (CkptzipError, StorageFullError, StorageReadOnlyError, StorageUnavailableError,
                      WriteConflictError)
 
@@ -55,11 +56,8 @@ class RetryPolicy:
     budget_s: float = 60.0       # no new try starts this long after the first
 
     def __post_init__(self):
-        if self.attempts < 1:
-            raise ValueError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
-        for f in ("first_delay_s", "max_delay_s", "budget_s"):
-            if getattr(self, f) < 0:
-                raise ValueError(f"RetryPolicy.{f} must be >= 0, got {getattr(self, f)}")
+        seconds = Range(ge=0)
+        check_fields(self, attempts=Range(ge=1), first_delay_s=seconds, max_delay_s=seconds, budget_s=seconds)
 
     def delay_s(self, k: int) -> float:
         """Wait before try ``k + 2`` (``k`` failures so far, from 0)."""

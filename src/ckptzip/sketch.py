@@ -257,6 +257,20 @@ class LogSketch:
         s._combine(ords, counts)  # sorts, and merges repeated keys
         return s
 
+    def ordinal_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sorted signed bucket ordinals, counts), both int64: the sparse store, e.g. for a dense
+        all-reduce across ranks (dist.all_reduce_sketches). Copies."""
+        return self._ord.clone(), self._counts.clone()
+
+    @classmethod
+    def from_ordinal_counts(cls, alpha: float, ordinals: torch.Tensor, counts: torch.Tensor, *,
+                            min_value: float = 1e-30) -> "LogSketch":
+        """Inverse of ordinal_counts (repeated ordinals are summed, zero counts dropped)."""
+        s = cls(alpha, min_value=min_value)
+        keep = counts > 0
+        s._combine(ordinals[keep].to(torch.int64), counts[keep].to(torch.int64))
+        return s
+
     def copy(self) -> "LogSketch":
         s = LogSketch(self.alpha, min_value=self.min_value)
         s._ord, s._counts = self._ord.clone(), self._counts.clone()

@@ -84,7 +84,7 @@ import weakref
 import torch
 
 from ..chain import CheckpointChain, KeyframePolicy, RetentionPolicy
-from ..errors import ConfigError, StepNotFoundError
+from ..errors import ConfigError, StepNotFoundError, StepOrderError
 from ..methods.base import EncodeContext, Method
 from ..state import FlatState, flatten_state, unflatten_state
 from . import staging
@@ -237,7 +237,7 @@ class AsyncCheckpointEngine:
             self._scan()
             self._resume(None)
             if step <= self._last_step:
-                raise ValueError(f"step {step} is not after the latest staged or committed step {self._last_step}; "
+                raise StepOrderError(f"step {step} is not after the latest staged or committed step {self._last_step}; "
                                  "save increasing steps (or start a new chain)")
             seq = self._seq
             self._seq += 1

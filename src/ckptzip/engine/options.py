@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..configcheck import OneOf, Range, check_fields
 from ..errors import ConfigError
 
 
@@ -28,21 +29,13 @@ class EngineOptions:
     rank: int | None = None                # None: the torch.distributed rank if initialized, else 0
 
     def __post_init__(self):
-        if self.redundancy < 1:
-            raise ConfigError(f"EngineOptions.redundancy must be >= 1, got {self.redundancy}")
-        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
-            raise ConfigError(f"EngineOptions.memory_budget_bytes must be > 0 or None, got {self.memory_budget_bytes}")
-        for f in ("agent_start_timeout_s", "takeover_timeout_s", "orphan_linger_s"):
-            if getattr(self, f) < 0:
-                raise ConfigError(f"EngineOptions.{f} must be >= 0, got {getattr(self, f)}")
-        if self.max_agent_restarts < 0:
-            raise ConfigError(f"EngineOptions.max_agent_restarts must be >= 0, got {self.max_agent_restarts}")
         if isinstance(self.agent_imports, str):
-            raise ConfigError("EngineOptions.agent_imports is a tuple of module names, e.g. ('mypkg.methods',)")
-        if self.checksum_by not in ("agent", "trainer"):
-            raise ConfigError(f"EngineOptions.checksum_by must be 'agent' or 'trainer', got {self.checksum_by!r}")
-        if self.rank is not None and self.rank < 0:
-            raise ConfigError(f"EngineOptions.rank must be >= 0 or None, got {self.rank}")
+            raise ConfigError(f"EngineOptions.agent_imports must be a tuple of module names, e.g. ('mypkg.methods',), "
+                              f"got {self.agent_imports!r}")
+        seconds = Range(ge=0)
+        check_fields(self, redundancy=Range(ge=1), memory_budget_bytes=Range(gt=0), agent_start_timeout_s=seconds,
+                     takeover_timeout_s=seconds, orphan_linger_s=seconds, max_agent_restarts=Range(ge=0),
+                     agent_threads=Range(ge=1), checksum_by=OneOf(("agent", "trainer")), rank=Range(ge=0))
 
 
 class BackpressureWarning(UserWarning):

@@ -20,7 +20,9 @@ import shutil
 
 from transformers import TrainerCallback
 
+from ..api import ARGS
 from ..chain import CheckpointChain, KeyframePolicy, RetentionPolicy
+from ..configcheck import check_arg, check_args
 from ..ingest import LAYOUTS, TRAINER_LAYOUT, write_restored
 from ..methods.base import EncodeContext
 
@@ -29,6 +31,9 @@ class CkptzipCallback(TrainerCallback):
     def __init__(self, chain_url, method: str = "lossless", config=None, *, delete_folders: bool = False,
                  threshold: float = 0.01, eval_fn=None, higher_is_better: bool = False,
                  keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None):
+        check_args("CkptzipCallback", ARGS, threshold=threshold, eval_fn=eval_fn, higher_is_better=higher_is_better,
+                   keyframe=keyframe, retention=retention)
+        check_arg("CkptzipCallback delete_folders", delete_folders, bool)
         self.chain = CheckpointChain(chain_url, method, config, keyframe=keyframe, retention=retention)
         self.delete_folders = delete_folders
         self.threshold, self.eval_fn, self.higher_is_better = threshold, eval_fn, higher_is_better

@@ -13,6 +13,8 @@ import torch
 
 from ..codec import bytegroup
 from ..codec import stages as S
+from ..codec.frames import ZSTD_LEVELS
+from ..configcheck import check_fields
 from ..errors import CorruptCheckpointError
 from ..parallel import thread_map
 from ..state import FlatState, TensorRecord
@@ -23,6 +25,9 @@ from .base import DecodeContext, EncodeContext, Encoded, Method, Reference, regi
 @dataclass(frozen=True)
 class LosslessConfig:
     zstd_level: int = 3  # levels above ~9 cost far more time for little gain on float planes
+
+    def __post_init__(self):
+        check_fields(self, zstd_level=ZSTD_LEVELS)
 
 
 @dataclass(frozen=True)

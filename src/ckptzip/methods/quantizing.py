@@ -34,6 +34,7 @@ import torch
 
 from ..codec import stages as S
 from ..codec.entropy import CODERS
+from ..configcheck import OneOf, check_fields
 from ..errors import ConfigError, CorruptCheckpointError
 from ..quant import dynaquant as dq
 from ..quant.base import QuantizedTensor
@@ -55,8 +56,7 @@ class CodesConfig:
     rle: bool = True          # fixed coders only; coder="huffman" with both is the paper's encoder
 
     def __post_init__(self):
-        if self.coder not in CODER_CHOICES:
-            raise ConfigError(f"CodesConfig.coder must be one of {CODER_CHOICES}, got {self.coder!r}")
+        check_fields(self, coder=OneOf(CODER_CHOICES))
 
 
 PAPER_BASELINE_CODES = CodesConfig("huffman", rearrange=False, rle=False)  # the baselines' own encoders
@@ -70,6 +70,9 @@ class QuantizingMethodConfig:
     moments: moments.MomentConfig = field(default_factory=moments.MomentConfig)
     codes: CodesConfig = field(default_factory=CodesConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
+
+    def __post_init__(self):
+        check_fields(self)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ Every element of a quantizable tensor lands in one of three groups:
 Thresholds are quantiles of LogSketches MERGED PER LAYER TYPE (one pruning threshold for all
 linear weights, one for all conv weights, ...), as the paper prescribes: per tensor would let
 each layer keep a different share, global would cut one layer type's weights for another's
-distribution. Hence two phases::
+distribution. In a sharded save (ckptzip.dcp) every sketch passes through ``dist.shared_sketch``
+keyed by layer type or tensor name, so each shard gets the whole tensor's thresholds and codebook
+(dcp/merge.py runs the collectives). Hence two phases::
 
     plan = fit_layer_thresholds({name: (tensor, layer_type), ...}, DynaQuantConfig(), grads)
     q = quantize(x, name, plan)          # -> QuantizedTensor
@@ -78,6 +80,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..dist import shared_sketch, sharing
 from ..errors import ConfigError, NonFiniteError
 from ..kmeans import INITS
 from ..sketch import LogSketch
@@ -270,6 +273,13 @@ def layer_type_plan(lt: str, numel: int, mag_sk: LogSketch, sens_sk: LogSketch |
     return LayerTypePlan(lt, cfg.bins_for(lt), numel, tau_p, tau_m, tau_s, fallback)
 
 
+def _share_scope(role: str, lt: str, items) -> tuple:
+    """What a layer-type sketch covers when shards of the tensors live on several ranks
+    (dist.shared_sketch): weights merge per layer type over the whole state, other roles (fitted
+    per tensor) over the tensors of this call."""
+    return ("type", "weight", lt) if role == "weight" else ("tensors", role, *sorted(n for n, _ in items))
+
+
 def fit_layer_thresholds(tensors: Mapping[str, tuple], config: DynaQuantConfig = DynaQuantConfig(),
                          grads: Mapping[str, torch.Tensor] | None = None) -> DynaQuantPlan:
     """Sketch every quantizable tensor, merged per layer type, into pruning/protection thresholds.
@@ -294,6 +304,7 @@ def fit_layer_thresholds_reference(tensors: Mapping[str, tuple], config: DynaQua
     """``fit_layer_thresholds`` in plain torch, one LogSketch per tensor (any device)."""
     cfg = config
     groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    roles: dict[str, str] = {}
     skipped = []
     for name, spec in tensors.items():
         t, lt, role = _unpack(spec)
@@ -301,6 +312,7 @@ def fit_layer_thresholds_reference(tensors: Mapping[str, tuple], config: DynaQua
             skipped.append(name)
             continue
         groups.setdefault(lt, []).append((name, t))
+        roles.setdefault(lt, role)
 
     plans: dict[str, LayerTypePlan] = {}
     cap_q = prune_cap_quantile(cfg)
@@ -309,11 +321,9 @@ def fit_layer_thresholds_reference(tensors: Mapping[str, tuple], config: DynaQua
         fallback = grads is None or any(n not in grads for n, _ in items)
         mag_sk = LogSketch(alpha=cfg.alpha)
         sens_sk = None if fallback else LogSketch(alpha=cfg.alpha)
-        numel = 0
         for name, t in items:
             xf = _flat_f32(t, name)
             _check_domain(xf, name, cfg.domain)
-            numel += xf.numel()
             t_mag = LogSketch(alpha=cfg.alpha).add(xf.abs(), name=name)  # per tensor, merged per type
             mag_sk.merge(t_mag)
             t_sens = None
@@ -322,8 +332,14 @@ def fit_layer_thresholds_reference(tensors: Mapping[str, tuple], config: DynaQua
                 sens_sk.merge(t_sens)
             if cap_q is not None and lt != "embedding":
                 use_sens = cfg.prune_metric == "sensitivity" and t_sens is not None
-                tensor_prune[name] = _quantile(t_sens if use_sens else t_mag, cap_q)
-        plans[lt] = layer_type_plan(lt, numel, mag_sk, sens_sk, cfg)
+                sk = t_sens if use_sens else t_mag
+                sk = shared_sketch(("sensitivity" if use_sens else "magnitude", "tensor", name), sk)
+                tensor_prune[name] = _quantile(sk, cap_q)
+        scope = _share_scope(roles[lt], lt, items)
+        mag_sk = shared_sketch(("magnitude", *scope), mag_sk)
+        if sens_sk is not None:
+            sens_sk = shared_sketch(("sensitivity", *scope), sens_sk)
+        plans[lt] = layer_type_plan(lt, mag_sk.count, mag_sk, sens_sk, cfg)
 
     plan = DynaQuantPlan(cfg, plans, {n: lt for lt, items in groups.items() for n, _ in items},
                          tuple(skipped), grads, tensor_prune)
@@ -336,6 +352,7 @@ def fit_layer_thresholds_reference(tensors: Mapping[str, tuple], config: DynaQua
                 part = _partition(xf, name, plan)
                 vals = xf[part == 1]
                 sk.add(vals, name=name)
+            sk = shared_sketch(("values", *_share_scope(roles[lt], lt, items)), sk)
             centers = torch.empty(0) if sk.count == 0 else _sketch_centers(sk, plans[lt].bins, cfg)
             plans[lt] = replace(plans[lt], centers=torch.as_tensor(centers, dtype=torch.float32).reshape(-1))
         plan = replace(plan, layer_types=plans)
@@ -375,11 +392,15 @@ def _sketch_centers(sk: LogSketch, k: int, cfg: DynaQuantConfig) -> torch.Tensor
     return histogram_centers(sk._ord, sk._counts, torch.tensor([0, sk._ord.numel()]), k, cfg)[0]
 
 
-def _fit_centers(vals: torch.Tensor, k: int, cfg: DynaQuantConfig) -> torch.Tensor:
+def _fit_centers(vals: torch.Tensor, k: int, cfg: DynaQuantConfig, name: str | None = None) -> torch.Tensor:
     """(m <= k,) sorted centers in the config's domain for one tensor's quantized values."""
-    if vals.numel() <= k:  # no more values than bins: every value is its own center, exactly
+    if vals.numel() <= k and not sharing():  # no more values than bins: every value its own center
         return _to_domain(torch.unique(vals), cfg.domain).to(torch.float32)
     sk = LogSketch(alpha=cfg.alpha).add(vals)
+    if name is not None:  # a shard's values: the codebook comes from every shard of the tensor
+        sk = shared_sketch(("values", "tensor", name), sk)
+    if sk.count == 0:
+        return torch.empty(0, dtype=torch.float32, device=vals.device)
     return _sketch_centers(sk, k, cfg).to(vals.device)
 
 
@@ -420,7 +441,7 @@ def quantize_reference(x: torch.Tensor, name: str, plan: DynaQuantPlan) -> Quant
     if ltp.centers is not None:
         centers_f = ltp.centers.to(xf.device)
     else:
-        centers_f = _fit_centers(vals, ltp.bins, cfg)
+        centers_f = _fit_centers(vals, ltp.bins, cfg, name)
     k = int(centers_f.numel())
     codes = torch.zeros(xf.numel(), dtype=torch.int64, device=xf.device)
     if vals.numel():

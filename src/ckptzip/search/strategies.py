@@ -272,12 +272,14 @@ def _json_float(x: float) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
-def search_config(method, state, reference, ctx, search_state, *, group=None):
+def search_config(method, state, reference, ctx, search_state, *, group=None, runner: TrialRunner | None = None):
     """Choose this checkpoint's quantizer knobs. Returns (knobs, info, new search_state).
 
     ``method.config.search`` supplies ``policy`` and ``neighbourhood``, ``method.space()`` the
     method's search space; the method itself the quantizer (see the module docstring).
     ``search_state`` is what the previous call returned (None at first).
+    ``runner``: a TrialRunner to use instead of the default (dcp/search.py: sharded trials in which
+    every rank quantizes its shards of each candidate); the search closes it.
     """
     t0 = time.perf_counter()
     mcfg = method.config
@@ -289,7 +291,7 @@ def search_config(method, state, reference, ctx, search_state, *, group=None):
     cube = ConfigCube(space, embedding=any(r.layer_type == "embedding" for r in recs.values()))
     groups = space.groups(ctx.gradients)
     st = dict(search_state or {})
-    runner = TrialRunner(method, state, reference, ctx, group=group)
+    runner = runner or TrialRunner(method, state, reference, ctx, group=group)
     try:
         best, extra, infeasible = None, {}, False
         kind = "exhaustive"
