@@ -49,9 +49,12 @@ class DynaQuantMethod(QuantizingMethod):
     def search_prepare(self, state, reference, gradients):
         """The search's per-checkpoint batch: every weight sketched once, candidates estimated from
         the histograms, only evaluated ones quantized (quant/dqsearch.py)."""
+        from ..quant.dqbatch import fast_path
         from ..quant.dqsearch import SearchSketch
 
         tensors, grads = _weights(state, self.search_records(state), gradients)
+        if not fast_path(t for t, _, _ in tensors.values()):
+            return None  # CUDA, or shards sharing sketches (dcp): quantize per candidate
         return SearchSketch(tensors, self.config.quantizer, grads, getattr(reference, "weights", None),
                             self.search_coding)
 

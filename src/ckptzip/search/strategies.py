@@ -27,7 +27,7 @@ space: DynaQuant, QD, CNR and GOBO all run through this module. What a method mu
 gradients)`` -> {name: QuantizedTensor}, ``search_dequantize(q)``, and ``search_coding``: how its
 encoder codes the codes, for the ratio estimate. Optionally ``search_prepare(state, reference,
 gradients)`` -> an object with ``quantize(knobs)`` and ``estimate(knobs) -> (est_bits,
-raw_bits)``: the work shared by every candidate of one checkpoint, done once (DynaQuant's
+raw_bits)`` (or None): the work shared by every candidate of one checkpoint, done once (DynaQuant's
 quant/dqsearch.py sketches each weight once and estimates candidates from the histograms without
 quantizing; without it each estimate quantizes).
 
