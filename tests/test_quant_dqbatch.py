@@ -114,3 +114,18 @@ def test_search_sketch_quantizes_exactly_and_estimates_closely(snap):
     fast, slow = joint_counts(sk, rows, ref), joint_counts_reference(sk, rows, ref)
     key = lambda j: torch.sort(j[0] * 10**9 + j[1] * 10**6 + j[2]).indices  # noqa: E731
     assert all(torch.equal(f[key(fast)], s[key(slow)]) for f, s in zip(fast, slow))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_gives_the_cpu_kernels_result(snap):
+    """On CUDA the plain-torch reference runs per tensor; it must match the CPU kernels bit for bit."""
+    cfg = dq.DynaQuantConfig(prune_metric="sensitivity", prune_fraction=0.2)
+    specs = _specs(snap)
+    _, cpu = quantize_tensors(specs, cfg, snap.grads)
+    gpu_specs = {n: (t.cuda(), lt, role) for n, (t, lt, role) in specs.items()}
+    _, gpu = quantize_tensors(gpu_specs, cfg, {n: g.cuda() for n, g in snap.grads.items()})
+    for n in cpu:
+        q = gpu[n]
+        q.codes, q.codebook = q.codes.cpu(), q.codebook.cpu()
+        q.side = {k: v.cpu() for k, v in q.side.items()}
+        assert _same(cpu[n], q), n
