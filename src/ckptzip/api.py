@@ -62,6 +62,11 @@ class Compressor:
     Gradient capture for DynaQuant's sensitivity metric installs itself: hooks record a gradient
     EMA only in the ``grad_window`` backward passes before a save (the save interval is learned
     from the first saves, or given as ``save_every``); outside that window they cost nothing.
+
+    ``async_save=True`` with ``eval_fn`` keeps the config search: ``save`` copies the state and
+    returns; a background thread searches on a scratch copy of the model and the agent encodes with
+    the chosen knobs (asyncsearch.py says what ``eval_fn`` must then respect: no global RNG, only
+    the model it is given).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, url,
@@ -85,7 +90,7 @@ class Compressor:
         self._recorder = None
         if _wants_gradients(self.chain.method):
             self._recorder = SaveWindowRecorder(model, window=grad_window, save_every=save_every)
-        self._engine = None
+        self._engine = self._searcher = None
         if async_save:
             from .engine import AsyncCheckpointEngine, EngineOptions
 
@@ -93,6 +98,12 @@ class Compressor:
             self._engine = AsyncCheckpointEngine(url, method, config, options=engine_options,
                                                  keyframe=keyframe, retention=retention,
                                                  storage_options=storage_options, takeover=takeover)
+            if eval_fn is not None and _searches(self.chain.method):
+                from .asyncsearch import SearchingSaver
+
+                # the search runs on a background thread here; the agent encodes with its knobs
+                self._searcher = SearchingSaver(self._engine, self.chain.method, model, eval_fn,
+                                                threshold=threshold, higher_is_better=higher_is_better)
 
     # --------------------------------------------------------------------------------------
     def state(self, step: int) -> dict:
@@ -110,6 +121,9 @@ class Compressor:
         grads = self._recorder.on_save(step) if self._recorder is not None else None
         ctx = EncodeContext(step=int(step), model=self.model, eval_fn=self.eval_fn, threshold=self.threshold,
                             higher_is_better=self.higher_is_better, gradients=grads)
+        if self._searcher is not None:
+            return self._searcher.save(self.state(step), step, model=self.model, optimizer=self.optimizer,
+                                       gradients=grads)
         if self._engine is not None:
             return self._engine.save(self.state(step), step, model=self.model, optimizer=self.optimizer, ctx=ctx)
         return self.chain.save(self.state(step), step, model=self.model, optimizer=self.optimizer, ctx=ctx)
@@ -144,12 +158,16 @@ class Compressor:
 
     def wait(self) -> None:
         """Block until every pending asynchronous save is committed (re-raises agent errors)."""
+        if self._searcher is not None:
+            self._searcher.wait()
         if self._engine is not None:
             self._engine.wait()
 
     def close(self) -> None:
         """Flush pending work; release hooks, processes and the method's resources."""
         try:
+            if self._searcher is not None:
+                self._searcher.close()
             if self._engine is not None:
                 self._engine.close()
         finally:
@@ -204,6 +222,12 @@ class SaveWindowRecorder:
     def close(self) -> None:
         self._hook.remove()
         self.rec.close()
+
+
+def _searches(method) -> bool:
+    """Whether the method runs a config search when given eval_fn (the quantizing methods)."""
+    cfg = getattr(method, "config", None)
+    return hasattr(method, "choose_knobs") and bool(getattr(getattr(cfg, "search", None), "enabled", False))
 
 
 def _wants_gradients(method) -> bool:

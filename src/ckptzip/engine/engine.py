@@ -32,10 +32,11 @@ them into save / wait / restore / close.
   has settled its commit (committed or failed), so the agent reads the slot in place: no second copy.
 - **Agent** (agent.py, supervisor.py): a ``python -m ckptzip.engine.agent`` subprocess in its own session, fed JSON
   lines. Only names, numbers, the skeleton JSON and record dicts cross. The EncodeContext crosses
-  without ``model`` and ``eval_fn`` (a live module and a closure cannot): methods that search configs
-  against ``eval_fn`` (dynaquant, qd, cnr, gobo with ``search=True``) run with their fixed config in
-  async mode -- the same as a synchronous save without ``eval_fn``. Run the search synchronously (``async_save=False``)
-  or choose the config in the trainer and pass it in. Tensor fields of the context (gradients for
+  without ``model`` and ``eval_fn`` (a live module and a closure cannot): a method that searches its
+  config against ``eval_fn`` (dynaquant, qd, cnr, gobo) needs the search run in the trainer --
+  ``Compressor(async_save=True, eval_fn=...)`` does that on a background thread (asyncsearch.py) and
+  passes the chosen knobs as ``EncodeContext.search`` (JSON), which the agent's method uses; given
+  ``eval_fn`` here directly, it runs its fixed config. Tensor fields of the context (gradients for
   the sensitivity metric) are staged beside the state.
 - **Agent death**: the engine's reader thread sees the pipe close, starts a new agent and resubmits
   every unsettled commit (the agent skips steps the chain already has), so nothing staged is lost;
@@ -280,8 +281,8 @@ class AsyncCheckpointEngine:
                                   f"{self.chain.method.name} uses its fixed config; use async_save=False "
                                   "for the per-checkpoint config search", stacklevel=4)
                 continue
-            if v is None or isinstance(v, bool | int | float | str):
-                out[f.name] = v
+            if v is None or isinstance(v, bool | int | float | str) or f.name == "search":
+                out[f.name] = v  # ``search``: JSON (knobs chosen by the trainer's search thread)
             elif isinstance(v, dict) and all(isinstance(t, torch.Tensor) for t in v.values()):
                 names = {str(k): f"{f.name}/{k}" for k in v}
                 aux.update({names[str(k)]: t for k, t in v.items()})

@@ -92,6 +92,8 @@ class EncodeContext:
     gradients: dict[str, torch.Tensor] | None = None  # param name -> gradient EMA (sensitivity)
     force_keyframe: bool = False
     process_group: object | None = None           # parallel search trials; every rank must call save
+    search: dict | None = None                    # a config search already run elsewhere (async saves:
+                                                  # the trainer's search thread): {"knobs", "info", "state"}
 
 
 @dataclass(kw_only=True)
