@@ -80,12 +80,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..configcheck import OneOf, Range, check_fields
 from ..dist import shared_sketch, sharing
 from ..errors import ConfigError, NonFiniteError
 from ..kmeans import INITS
 from ..sketch import LogSketch
 from ..tensorbytes import dtype_name, torch_dtype
-from .base import QuantizedTensor, apply_codebook
+from .base import MIN_NUMEL_RANGE, QuantizedTensor, apply_codebook
 from .adam import adam_denominator, adam_direction_error, denormalize_exp_avg, normalize_exp_avg  # noqa: F401
 from .levels import DOMAINS
 from .levels import from_domain as _from_domain
@@ -123,34 +124,14 @@ class DynaQuantConfig:
                                          # out a small-magnitude layer (e.g. BERT's pooler) entirely
 
     def __post_init__(self):
-        for name in ("bins", "embedding_bins"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or not 1 <= v <= 65533:
-                raise ConfigError(f"DynaQuantConfig.{name} must be an int in [1, 65533], got {v!r}")
-        if not 0.0 <= self.prune_fraction < 1.0:
-            raise ConfigError(f"DynaQuantConfig.prune_fraction must be in [0, 1), got {self.prune_fraction}")
-        if not 0.0 <= self.protect_fraction < 1.0:
-            raise ConfigError(f"DynaQuantConfig.protect_fraction must be in [0, 1), got {self.protect_fraction}")
+        bins, frac = Range(ge=1, le=65533), Range(ge=0, lt=1)
+        check_fields(self, bins=bins, embedding_bins=bins, prune_fraction=frac, protect_fraction=frac,
+                     prune_metric=OneOf(("magnitude", "sensitivity")), alpha=Range(gt=0, lt=1),
+                     sigma=Range(ge=0, le=1), min_numel=MIN_NUMEL_RANGE, domain=OneOf(DOMAINS),
+                     center_scope=OneOf(("tensor", "layer_type")), kmeans=OneOf(INITS),
+                     max_prune_ratio=Range(ge=1, note=" or None"))
         if self.prune_fraction + self.protect_fraction >= 1.0:
             raise ConfigError("DynaQuantConfig: prune_fraction + protect_fraction must be < 1; lower one of them")
-        if self.prune_metric not in ("magnitude", "sensitivity"):
-            raise ConfigError(f"DynaQuantConfig.prune_metric must be 'magnitude' or 'sensitivity', "
-                              f"got {self.prune_metric!r}")
-        if not 0.0 < self.alpha < 1.0:
-            raise ConfigError(f"DynaQuantConfig.alpha must be in (0, 1), got {self.alpha}")
-        if not 0.0 <= self.sigma <= 1.0:
-            raise ConfigError(f"DynaQuantConfig.sigma must be in [0, 1], got {self.sigma}")
-        if not isinstance(self.min_numel, int) or self.min_numel < 1:
-            raise ConfigError(f"DynaQuantConfig.min_numel must be an int >= 1, got {self.min_numel!r}")
-        if self.domain not in DOMAINS:
-            raise ConfigError(f"DynaQuantConfig.domain must be one of {DOMAINS}, got {self.domain!r}")
-        if self.max_prune_ratio is not None and not self.max_prune_ratio >= 1.0:
-            raise ConfigError(f"DynaQuantConfig.max_prune_ratio must be >= 1 or None, got {self.max_prune_ratio}")
-        if self.kmeans not in INITS:
-            raise ConfigError(f"DynaQuantConfig.kmeans must be one of {INITS}, got {self.kmeans!r}")
-        if self.center_scope not in ("tensor", "layer_type"):
-            raise ConfigError(f"DynaQuantConfig.center_scope must be 'tensor' or 'layer_type', "
-                              f"got {self.center_scope!r}")
 
     def bins_for(self, layer_type: str) -> int:
         return self.embedding_bins if layer_type == "embedding" else self.bins
