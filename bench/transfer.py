@@ -42,6 +42,11 @@ def knobs(c) -> dict:
     return {"bins": b, "embedding_bins": e, "prune_fraction": pf, "protect_fraction": pt}
 
 
+def fixed(c) -> dict:
+    """The dynaquant config of one fixed row: its knobs, search off."""
+    return {"quantizer": knobs(c), "search": {"enabled": False}}
+
+
 def label(c) -> str:
     return "original" if c is None else "{}/{}/{:g}/{:g}".format(*c)
 
@@ -80,7 +85,7 @@ def finetune_all(encoder, results: Results, seeds, steps: int) -> None:
             if c is None:
                 state, ratio = exact, 1.0
             else:
-                ratio, state, _ = T.compress(encoder, {**knobs(c), "search": False})
+                ratio, state, _ = T.compress(encoder, fixed(c))
             acc = T.finetune(wl, state, seed)
             results.put(key, acc, ratio=round(ratio, 3), seconds=round(time.time() - t0))
             print(f"#   {key[0]:18s} seed {seed}: {acc:.4f} ({time.time() - t0:.0f} s)", flush=True)
@@ -117,7 +122,7 @@ def measure_checks(encoder, tok) -> dict[str, dict]:
     out = {}
     for c in [None, *CONFIGS]:
         t0 = time.time()
-        ratio, state = (1.0, exact) if c is None else T.compress(encoder, {**knobs(c), "search": False})[:2]
+        ratio, state = (1.0, exact) if c is None else T.compress(encoder, fixed(c))[:2]
         rep = {f"model/{k}": state[k] for k in exact if f"model/{k}" in flat.records}
         row = {"ratio": ratio, "weights, relative error": weight_error(exact, state)}
         row.update({name: j.check(rep).degradation for name, j in judges.items()})

@@ -32,7 +32,7 @@ def loader():
 
 def trainer(tmp_path, max_steps, io):
     ckpt = L.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=5, save_top_k=-1)
-    return L.Trainer(max_steps=max_steps, plugins=[io], callbacks=[ckpt, SensitivityCallback(window=3)],
+    return L.Trainer(max_steps=max_steps, plugins=[io] if io else [], callbacks=[ckpt, SensitivityCallback(window=3)],
                      logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
                      devices=1)
 
@@ -40,8 +40,12 @@ def trainer(tmp_path, max_steps, io):
 def test_lightning_saves_into_chain_and_resumes(tmp_path):
     torch.manual_seed(0)
     model = LitDigits()
-    t = trainer(tmp_path, 20, CompressedCheckpointIO("lossless"))
+    plugin = CompressedCheckpointIO("lossless")
+    t = trainer(tmp_path, 20, plugin)
     t.fit(model, loader())
+    # the save interval is learned from the saves (no private Lightning attribute): the last save had
+    # gradient EMAs recorded in its window
+    assert plugin.gradients is not None and set(plugin.gradients) <= set(dict(model.named_parameters()))
     chain = CheckpointChain(tmp_path / "ckpts" / CHAIN_DIR)
     assert chain.steps() == [5, 10, 15, 20]
     assert chain.verify() == []
@@ -72,6 +76,17 @@ def test_lightning_saves_into_chain_and_resumes(tmp_path):
     for k, v in model.state_dict().items():
         assert torch.equal(resumed.state_dict()[k], v), k
 
+    # `ckptzip restore` writes a .ckpt that plain Lightning (no plugin) resumes from
+    from ckptzip.ingest import write_restored
+
+    write_restored(chain.load(10), tmp_path / "plain.ckpt")
+    torch.manual_seed(7)
+    plain = LitDigits()
+    t3 = trainer(tmp_path / "third", 20, None)
+    t3.fit(plain, loader(), ckpt_path=str(tmp_path / "plain.ckpt"))
+    for k, v in model.state_dict().items():
+        assert torch.equal(plain.state_dict()[k], v), k
+
 
 def test_load_rejects_foreign_pointer(tmp_path):
     from ckptzip.errors import CorruptCheckpointError
@@ -80,3 +95,14 @@ def test_load_rejects_foreign_pointer(tmp_path):
     torch.save({"state_dict": {}}, p)
     with pytest.raises(CorruptCheckpointError, match="not a ckptzip pointer"):
         CompressedCheckpointIO().load_checkpoint(p)
+
+
+def test_bad_arguments_are_refused_before_training():
+    from ckptzip.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"LosslessConfig.zstd_level must be an int in \[1, 22\], got 0"):
+        CompressedCheckpointIO("lossless", {"zstd_level": 0})  # not at the first save, mid-run
+    with pytest.raises(ConfigError, match="CompressedCheckpointIO threshold"):
+        CompressedCheckpointIO(threshold="0.1")
+    with pytest.raises(ConfigError, match="SensitivityCallback every_n_train_steps must be an int >= 1 or None"):
+        SensitivityCallback(every_n_train_steps=0)

@@ -43,8 +43,8 @@ STEPS = 80
 # The search space for pretrained weights: the embedding table is half of MiniLM, and 8 bins for it
 # move the hidden states less than 12 bins for the rest (bench/transfer.py); pruning and wide
 # protection cost more fidelity than they save bytes. Small, so that a search is a few trials.
-PRETRAINED_SEARCH_SPACE = {"bins": (8, 16, 32), "embedding_bins": (4, 8, 16, 32), "prune_fractions": (0.0,),
-                           "protect_fractions": (0.0005,)}
+PRETRAINED_SEARCH_SPACE = {"bins": (8, 16, 32), "embedding_bins": (4, 8, 16, 32), "prune_fraction": (0.0,),
+                           "protect_fraction": (0.0005,)}
 SEARCH_SPACES = {"pretrained": PRETRAINED_SEARCH_SPACE, "paper": None, "finetune": W.FINETUNE_SEARCH_SPACE}
 
 
@@ -127,14 +127,17 @@ def run_transfer(out: pathlib.Path, *, thresholds=(0.01, 0.05), steps: int = STE
     """Fine-tune from the original and from the encoder compressed at each threshold; write
     ``out/transfer.json`` with one row per weights ({weights, threshold, ratio, test_accuracy, ...},
     the original with threshold null) and return the rows. ``test_accuracy`` is the mean over
-    ``seeds``; ``wl`` and ``method_config`` (dynaquant config fields) override the defaults."""
+    ``seeds``; ``wl`` and ``method_config`` (a dynaquant config: {"quantizer": ..., "search": ...}) override
+    the defaults."""
     if space not in SEARCH_SPACES:
         raise ConfigError(f"unknown transfer search space {space!r}; choose from {', '.join(SEARCH_SPACES)}")
     t0 = time.perf_counter()
     wl = wl if wl is not None else task(steps)
     encoder, tok = pretrained()
     eval_fn = check(tok, kind, n_texts)
-    config = {"search_space": SEARCH_SPACES[space], **(method_config or {})}
+    config = {"search": {"space": SEARCH_SPACES[space]}}
+    for k, v in (method_config or {}).items():  # nested sections merge: {"search": {"policy": ...}} keeps the space
+        config[k] = {**config[k], **v} if isinstance(v, dict) and isinstance(config.get(k), dict) else v
 
     def tune(state) -> list[float]:
         return [finetune(wl, state, seed) for seed in seeds]

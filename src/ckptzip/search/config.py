@@ -1,0 +1,25 @@
+"""``SearchConfig``: the config search's knobs, nested as ``search`` in every quantizing method's config.
+
+    get_method("dynaquant", {"search": {"policy": "free", "space": {"bins": [8, 16]}}})
+
+``space`` narrows the method's search space (search/spaces.py: a dict of that space's fields, each
+a list of the values its knob may take); None is the paper's table for the method.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..configcheck import OneOf, Range, check_fields
+
+SEARCH_POLICIES = ("monotone", "free")
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    enabled: bool = True             # search when the caller gives eval_fn (and model); False: fixed config
+    policy: str = "monotone"         # "monotone": never more aggressive than the previous best; "free"
+    neighbourhood: int = 1           # e: axis steps from the previous best in the steady state
+    space: dict | None = None        # fields of the method's space class; None: the paper's table
+
+    def __post_init__(self):
+        check_fields(self, policy=OneOf(SEARCH_POLICIES), neighbourhood=Range(ge=0))
