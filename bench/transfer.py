@@ -93,16 +93,16 @@ def finetune_all(encoder, results: Results, seeds, steps: int) -> None:
 
 def candidate_checks(tok) -> dict:
     """name -> eval_fn: the library's checks (search/pretrained.py) and variants of them."""
-    from ckptzip.demo import workloads as W
-
-    texts, _ = W.held_out_texts(per_source=8)
+    texts, _ = P.held_out_texts(per_source=8)
     inputs = tok(texts, padding=True, truncation=True, max_length=64, return_tensors="pt")
     return {
-        "states (default)": T.check(tok, "states"),
+        "states (default)": P.make_check(tok, "states"),
         "states incl. embedding layer": P.states_check(inputs, layers=range(7)),
         "last layer, relative error": P.states_check(inputs, distance="relative", layers=[-1]),
-        "probe": T.check(tok, "probe"),
-        "retrieval (paper-like loss)": T.check(tok, "retrieval"),
+        "sentence embeddings (mean-pooled last layer)": P.states_check(inputs, layers=[-1], pool="mean"),
+        "mean-pooled, every layer incl. embedding": P.states_check(inputs, layers=range(7), pool="mean"),
+        "probe": P.make_check(tok, "probe"),
+        "retrieval (paper-like loss)": P.make_check(tok, "retrieval"),
     }
 
 

