@@ -21,6 +21,7 @@ import json
 import math
 import os
 import pathlib
+import sys
 import time
 
 import torch
@@ -29,6 +30,9 @@ from ckptzip.demo import transfer as T
 from ckptzip.search import pretrained as P
 from ckptzip.search.quality import QualityJudge
 from ckptzip.state import flatten_state
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # bench/ is not a package
+from search import spearman  # noqa: E402
 
 # (bins, embedding bins, prune fraction, protect fraction)
 CONFIGS = [(32, 32, 0.0, 0.01), (16, 16, 0.0, 0.005), (16, 8, 0.0, 0.005), (12, 16, 0.0, 0.005),
@@ -96,11 +100,11 @@ def candidate_checks(tok) -> dict:
     texts, _ = P.held_out_texts(per_source=8)
     inputs = tok(texts, padding=True, truncation=True, max_length=64, return_tensors="pt")
     return {
-        "states (default)": P.make_check(tok, "states"),
-        "states incl. embedding layer": P.states_check(inputs, layers=range(7)),
+        "states (default: every layer, tokens, cosine)": P.make_check(tok, "states"),
+        "states, blocks only (no embedding layer)": P.states_check(inputs, layers=range(1, 7)),
         "last layer, relative error": P.states_check(inputs, distance="relative", layers=[-1]),
         "sentence embeddings (mean-pooled last layer)": P.states_check(inputs, layers=[-1], pool="mean"),
-        "mean-pooled, every layer incl. embedding": P.states_check(inputs, layers=range(7), pool="mean"),
+        "mean-pooled, every layer": P.states_check(inputs, pool="mean"),
         "probe": P.make_check(tok, "probe"),
         "retrieval (paper-like loss)": P.make_check(tok, "retrieval"),
     }
@@ -133,24 +137,6 @@ def measure_checks(encoder, tok) -> dict[str, dict]:
     return out
 
 
-def ranks(x: list[float]) -> torch.Tensor:
-    """Average ranks (ties share the mean of their positions)."""
-    t = torch.tensor(x, dtype=torch.float64)
-    order = torch.argsort(t)
-    r = torch.empty_like(t)
-    r[order] = torch.arange(len(t), dtype=torch.float64)
-    for v in t.unique():
-        m = t == v
-        r[m] = r[m].mean()
-    return r
-
-
-def spearman(x: list[float], y: list[float]) -> float:
-    rx, ry = ranks(x), ranks(y)
-    rx, ry = rx - rx.mean(), ry - ry.mean()
-    return float((rx * ry).sum() / (rx.norm() * ry.norm()))
-
-
 def report(checks: dict[str, dict], results: Results, seeds, steps: int) -> None:
     labels = [lab for lab in checks if all(results.get((lab, s, steps)) is not None for s in seeds)]
     acc = {lab: [results.get((lab, s, steps)) for s in seeds] for lab in labels}
@@ -166,20 +152,30 @@ def report(checks: dict[str, dict], results: Results, seeds, steps: int) -> None
               + f" | {mean[lab]:.4f} ({min(acc[lab]):.3f}-{max(acc[lab]):.3f}) | {100 * (mean[lab] - base):+.1f} pts |")
     # a check predicts well when more degradation means less accuracy: correlate -degradation
     g = torch.Generator().manual_seed(0)
-    print(f"\n| check | Spearman vs mean accuracy ({len(labels)} weights) | per seed | bootstrap 90 % interval |")
-    print("|---|---|---|---|")
+    y = list(mean.values())
+    xs = {n: [-checks[lab][n] for lab in labels] for n in names}
+    samples = []
+    for _ in range(1000):  # one set of resampled weights for every check: paired differences
+        idx = torch.randint(0, len(labels), (len(labels),), generator=g).tolist()
+        if len({labels[i] for i in idx}) > 2:
+            samples.append(idx)
+
+    def interval(f) -> str:
+        v = sorted(f(idx) for idx in samples)
+        return f"{v[int(0.05 * len(v))]:+.2f} .. {v[int(0.95 * len(v)) - 1]:+.2f}"
+
+    def rho(n, idx):
+        return spearman([xs[n][i] for i in idx], [y[i] for i in idx])
+
+    default = names[1]  # after the weight error: the library's default check
+    print(f"\n| check | Spearman vs mean accuracy ({len(labels)} weights) | per seed | bootstrap 90 % interval | "
+          f"minus the default's, paired 90 % |")
+    print("|---|---|---|---|---|")
     for n in names:
-        x = [-checks[lab][n] for lab in labels]
-        per_seed = [spearman(x, [a[i] for a in acc.values()]) for i in range(len(seeds))]
-        boot = []
-        for _ in range(1000):
-            idx = torch.randint(0, len(labels), (len(labels),), generator=g).tolist()
-            if len({labels[i] for i in idx}) > 2:
-                boot.append(spearman([x[i] for i in idx], [mean[labels[i]] for i in idx]))
-        boot.sort()
-        lo, hi = (boot[int(0.05 * len(boot))], boot[int(0.95 * len(boot)) - 1]) if boot else (math.nan, math.nan)
-        print(f"| {n} | {spearman(x, list(mean.values())):.3f} | {', '.join(f'{v:.2f}' for v in per_seed)} | "
-              f"{lo:.2f} .. {hi:.2f} |")
+        per_seed = [spearman(xs[n], [a[i] for a in acc.values()]) for i in range(len(seeds))]
+        print(f"| {n} | {spearman(xs[n], y):.3f} | {', '.join(f'{v:.2f}' for v in per_seed)} | "
+              f"{interval(lambda idx: rho(n, idx))} | "
+              f"{'-' if n == default else interval(lambda idx: rho(n, idx) - rho(default, idx))} |")
 
 
 def main() -> None:

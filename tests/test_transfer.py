@@ -154,5 +154,8 @@ def test_compress_cli_judges_a_pretrained_folder(tmp_path):
                       (f"pretrained-bleu:{folder}", "unknown pretrained check")):
         r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "d"), "--eval", spec, "--threshold", "0.9"])
         assert r.exit_code != 0 and msg in r.output and len(r.output.strip().splitlines()) == 1, r.output
-    r = CliRunner().invoke(app, ["demo", "--transfer", "--transfer-check", "bleu", "--out", str(tmp_path / "e")])
-    assert r.exit_code != 0 and "unknown pretrained check" in r.output and len(r.output.strip().splitlines()) == 1
+    for opt, value, msg in (("--transfer-check", "bleu", "unknown pretrained check"),
+                            ("--transfer-space", "huge", "unknown transfer search space"),
+                            ("--transfer-thresholds", "0.01,5", "thresholds in [0, 1)")):
+        r = CliRunner().invoke(app, ["demo", "--transfer", opt, value, "--out", str(tmp_path / "e")])
+        assert r.exit_code != 0 and msg in r.output and len(r.output.strip().splitlines()) == 1, r.output

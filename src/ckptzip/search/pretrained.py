@@ -5,18 +5,26 @@ downstream task. Each factory here takes fixed, tokenized held-out text and retu
 ``eval_fn(model)`` for ``EncodeContext`` / ``QualityJudge`` (search/quality.py); ``model`` is a
 Hugging Face encoder (``AutoModel``) or a task model around one (its ``base_model`` is used).
 
-    inputs = tokenizer(texts, padding=True, truncation=True, max_length=64, return_tensors="pt")
-    eval_fn = states_check(inputs)               # the default for pretrained weights
+    encoder, eval_fn = from_pretrained(folder)            # or: eval_fn = make_check(tokenizer)
     ctx = EncodeContext(step=0, model=encoder, eval_fn=eval_fn, threshold=0.01)
+    # ckptzip compress model.pt --method dynaquant --eval pretrained:FOLDER --threshold 0.01
 
-Checks (named variants; bench/transfer.py measures how well each predicts the test accuracy after
-fine-tuning, over fixed configs from mild to destructive):
+    inputs = tokenizer(texts, padding=True, truncation=True, max_length=64, return_tensors="pt")
+    eval_fn = states_check(inputs)                          # the same check on your own text
 
-    states     every layer's hidden states at the real tokens, judged by their mean cosine distance
-               to the exact model's (``Outputs(..., "cosine")``): 0.01 = the compressed encoder's
-               token states point on average 1 % (in 1 - cos) away from the original's
+``make_check`` runs on HELD_OUT_SOURCES' docstrings (stdlib prose, no download). Checks (named
+variants; bench/transfer.py measures how well each predicts the test accuracy after fine-tuning,
+over fixed configs from mild to destructive, docs/BENCHMARKS.md "Transfer learning (issue 19)"):
+
+    states     (DEFAULT_CHECK) every layer's hidden states (the embedding layer's output
+               included) at the real tokens, judged by their mean cosine distance to the exact
+               model's (``Outputs(..., "cosine")``): 0.01 = the compressed encoder's token states
+               point on average 1 % (in 1 - cos) away from the original's. Grows monotonically
+               with the damage, so each threshold picks its own config
     probe      the 2-fold cross-validated loss of a linear probe refit on the mean-pooled states
                (a float, judged by its relative change): does the text keep its separable content?
+               Ranks configs as well as ``states`` but sits at or below 0 until the damage is
+               destructive, so low thresholds cannot tell mild configs apart
     retrieval  InfoNCE of matching each text's first half to its second half among all of them
                (a float, relative change): the sentence encoder's own training objective, the
                analog of the paper's pretraining loss. Quantization noise often *lowers* it, so the
@@ -36,7 +44,7 @@ from ..errors import ConfigError
 from .quality import Outputs
 
 CHECKS = ("states", "probe", "retrieval")
-DEFAULT_CHECK = "states"  # best rank correlation with fine-tuned accuracy among the graded checks
+DEFAULT_CHECK = "states"  # ranks configs by fine-tuned accuracy (bench/transfer.py) and is graded
 BATCH = 64  # rows per forward pass
 
 
