@@ -134,7 +134,8 @@ def run_transfer(out: pathlib.Path, *, thresholds=(0.01, 0.05), steps: int = STE
         progress(f"threshold {th:g}: {ratio:.1f}x, test accuracy {rows[-1]['test_accuracy']:.4f} "
                  f"({time.perf_counter() - t0:.0f} s)")
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"task": wl.description, "steps": wl.total_steps, "seeds": list(seeds), "check": kind, "space": space,
+    meta = {"task": wl.description.split(";")[0],  # the rest describes the fault-tolerant run's search
+            "steps": wl.total_steps, "seeds": list(seeds), "check": kind, "space": space,
             "wall_s": round(time.perf_counter() - t0, 1)}
     (out / "transfer.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     return rows
