@@ -199,8 +199,9 @@ class QuantizingMethod(Method):
             c = qrecord.store(enc, name, q, p, method=stage, coder=cfg.codes.coder, rearrange=cfg.codes.rearrange,
                               rle=cfg.codes.rle, meta=meta)
             (codes_w if is_w else codes_m)[name] = c
-        enc.meta["summary"] = {**{k: getattr(qcfg, k) for k in self._knob_names()}, **search_info,
-                               "search_s": round(search_s, 3)}
+        # an async save's search ran in the trainer (asyncsearch.py): its info carries its own search_s
+        enc.meta["summary"] = {**{k: getattr(qcfg, k) for k in self._knob_names()}, "search_s": round(search_s, 3),
+                               **search_info}
         if self.search_state is not None:
             enc.meta["search_state"] = self.search_state  # read back by resume() after a restart
         return enc, self._reference(ctx.step, codes_w, codes_m)
