@@ -1,0 +1,296 @@
+"""Resume fidelity: what a restored optimizer state costs the training that continues from it.
+
+For checkpoints early / middle / late in a real run, training continues K steps (same batches,
+same learning-rate schedule: the workload's batches depend only on the step, the scheduler state
+is restored) from the exact state and from each *restored* state, and the eval metric after K
+steps is compared with the exact resume's: rel = (metric - exact) / exact, positive = worse for a
+loss. Weights are restored exactly in every row, so a row measures its moments alone.
+
+Rows (``VARIANTS``):
+- controls: ``exact``; ``bf16`` (moments rounded to bfloat16: the chaos floor of a tiny, unbiased
+  perturbation); ``zero-mv`` (both moments zeroed, step kept); ``fresh`` (a new optimizer state:
+  moments zeroed and step reset to 0, so bias correction rebuilds them); ``zero-m``; ``zero-v``;
+- moment recipes: each codec of the moment module at its settings, bytes per moment element from
+  its encoded records (keyframe: no delta).
+
+Proxies, each cheap beside the K-step resume, with their Spearman rank correlation against the
+K-step change (pooled over checkpoints and rows, ``exact`` left out):
+- ``dir``: quant/dynaquant.adam_direction_error of the restored (m, v) (no training step);
+- ``upd1``: relative error of the first update after the resume, ||dtheta_1 - dtheta_1*|| /
+  ||dtheta_1*|| (one step, the real gradient and weight decay included);
+- ``div10``: ||theta_10 - theta_10*|| / ||theta_10* - theta_0|| after 10 steps;
+- ``rel10`` / ``rel50``: the eval metric's relative change after 10 / 50 steps.
+
+Snapshots of the training run are cached in --cache (default /tmp/ckz-resume), so reruns and new
+recipes skip the training. Results go to --out as JSON, tables to stdout.
+
+Run:  PYTHONPATH=src .venv/bin/python bench/resume.py --workloads gpt2-3m,gpt2,digits
+      (gpt2-3m: 3.2M params, ~0.15 s per step on one thread: ~30 s per 200-step resume)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ckptzip.demo import workloads as W
+from ckptzip.quant.dynaquant import adam_direction_error
+from ckptzip.state import flatten_state, unflatten_state
+
+PROBES = (1, 10, 50)  # resume steps at which the proxies are taken
+
+
+@dataclass(frozen=True)
+class Case:
+    """A workload and the steps of its early / middle / late checkpoints."""
+
+    make: object       # () -> Workload
+    steps: tuple[int, ...]
+
+
+CASES = {
+    "digits": Case(lambda: W.digits_workload(), (60, 300, 540)),
+    "gpt2": Case(lambda: W.gpt2_workload(), (60, 240, 480)),                            # 0.83M params
+    "gpt2-3m": Case(lambda: W.gpt2_workload(n_embd=256, n_layer=4), (100, 500, 900)),  # 3.2M params
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# snapshots of one real run, cached
+
+def snapshots(name: str, cache: pathlib.Path) -> tuple[W.Workload, dict[int, dict]]:
+    case = CASES[name]
+    wl = case.make()
+    path = cache / f"{name}-{'-'.join(map(str, case.steps))}.pt"
+    if path.exists():
+        return wl, torch.load(path, weights_only=True)
+    model, opt, sched = wl.build(0)
+    snaps = {}
+    t0 = time.perf_counter()
+    for step in range(1, max(case.steps) + 1):
+        model.train()
+        wl.train_step(model, opt, sched, step)
+        if step in case.steps:
+            snaps[step] = _clone({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                  "scheduler": sched.state_dict() if sched is not None else None})
+    print(f"# trained {name} to step {max(case.steps)} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    cache.mkdir(parents=True, exist_ok=True)
+    torch.save(snaps, path)
+    return wl, snaps
+
+
+def _clone(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(_clone(v) for v in x)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# rows: a function (flat state) -> (restored moment tensors by record name, stored bytes or None)
+
+def _moment_names(flat, *roles):
+    return [n for n, r in flat.records.items() if r.role in roles]
+
+
+def _zero(*roles, reset_step=False):
+    def row(flat):
+        out = {n: torch.zeros_like(flat.tensors[n]) for n in _moment_names(flat, *roles)}
+        if reset_step:
+            out.update({n: torch.zeros_like(flat.tensors[n]) for n in _moment_names(flat, "step")})
+        return out, None
+    return row
+
+
+def _bf16(flat):
+    return {n: flat.tensors[n].to(torch.bfloat16).to(flat.tensors[n].dtype)
+            for n in _moment_names(flat, "exp_avg", "exp_avg_sq")}, None
+
+
+def _method_row(method: str, **config):
+    """Moments as a method encodes and decodes them (weights ignored: the row keeps them exact)."""
+    from ckptzip.methods.base import DecodeContext, EncodeContext, get_method
+
+    def row(flat):
+        m = get_method(method, config)
+        enc, _ = m.encode(flat, None, ctx=EncodeContext(step=0))
+        out, _ = m.decode(flat.records, enc, None, ctx=DecodeContext(step=0))
+        names = _moment_names(flat, "exp_avg", "exp_avg_sq")
+        nbytes = sum(len(enc.blobs[k]) for n in names for k in enc.records[n]["blobs"].values())
+        return {n: out[n] for n in names}, nbytes
+    return row
+
+
+CONTROLS = {"exact": lambda flat: ({}, None), "bf16": _bf16, "zero-mv": _zero("exp_avg", "exp_avg_sq"),
+            "fresh": _zero("exp_avg", "exp_avg_sq", reset_step=True), "zero-m": _zero("exp_avg"),
+            "zero-v": _zero("exp_avg_sq")}
+RECIPES = {f"dynaquant/1 k={k}": _method_row("dynaquant", moment_bins=k) for k in (16, 8, 4)}
+VARIANTS = {**CONTROLS, **RECIPES}
+
+
+# ---------------------------------------------------------------------------------------------
+# one resume
+
+def _params(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+
+
+def resume(wl: W.Workload, step: int, snap: dict, opt_state: dict, k_steps: int) -> dict:
+    """Train k_steps from (snap's weights and scheduler, opt_state); metrics at PROBES and the end."""
+    model, opt, sched = wl.build(0)
+    model.load_state_dict(snap["model"])
+    opt.load_state_dict(_clone(opt_state))
+    if sched is not None:
+        sched.load_state_dict(snap["scheduler"])
+    theta0 = _params(model)
+    out = {"params": {}, "metric": {}}
+    for i in range(1, k_steps + 1):
+        model.train()
+        wl.train_step(model, opt, sched, step + i)
+        if i in PROBES:
+            out["params"][i] = _params(model)
+            out["metric"][i] = wl.eval_fn(model)
+    out["metric"][k_steps] = wl.eval_fn(model)
+    out["theta0"] = theta0
+    return out
+
+
+def _direction_error(flat, restored) -> float:
+    """adam_direction_error over every parameter with both moments (betas/eps of group 0)."""
+    g = flat.skeleton["optimizer"]["param_groups"][0]
+    betas = g["betas"]["v"] if isinstance(g["betas"], dict) else g["betas"]
+    ms, vs, mq, vq, steps = [], [], [], [], set()
+    for name, rec in flat.records.items():
+        if rec.role != "exp_avg":
+            continue
+        vname = name.removesuffix("exp_avg") + "exp_avg_sq"
+        sname = name.removesuffix("exp_avg") + "step"
+        ms.append(flat.tensors[name])
+        vs.append(flat.tensors[vname])
+        mq.append(restored.get(name, flat.tensors[name]))
+        vq.append(restored.get(vname, flat.tensors[vname]))
+        steps.add(float(flat.tensors[sname]))
+    return adam_direction_error(ms, vs, mq, vq, max(steps), tuple(betas), float(g["eps"]))
+
+
+def study(name: str, variants: list[str], k_steps: int, cache: pathlib.Path) -> list[dict]:
+    wl, snaps = snapshots(name, cache)
+    model, opt, _ = wl.build(0)
+    rows = []
+    for step, snap in sorted(snaps.items()):
+        flat = flatten_state({"model": snap["model"], "optimizer": snap["optimizer"]}, model, opt)
+        n_mom = sum(flat.records[n].numel for n in _moment_names(flat, "exp_avg", "exp_avg_sq"))
+        exact = None
+        for v in ["exact", *[v for v in variants if v != "exact"]]:
+            t0 = time.perf_counter()
+            restored, nbytes = VARIANTS[v](flat)
+            tensors = {**flat.tensors, **restored}
+            opt_state = unflatten_state(flat.skeleton, tensors)["optimizer"]
+            r = resume(wl, step, snap, opt_state, k_steps)
+            if exact is None:
+                exact = r
+            rel = {i: (r["metric"][i] - exact["metric"][i]) / abs(exact["metric"][i]) for i in r["metric"]}
+            d1_ref = exact["params"][1] - exact["theta0"]
+            row = {"workload": name, "step": step, "variant": v, "metric": r["metric"][k_steps],
+                   "rel": rel[k_steps], "rel10": rel[10], "rel50": rel[50],
+                   "bits": None if nbytes is None else 8 * nbytes / n_mom,
+                   "dir": _direction_error(flat, restored),
+                   "upd1": float((r["params"][1] - r["theta0"] - d1_ref).norm() / d1_ref.norm()),
+                   "div10": float((r["params"][10] - exact["params"][10]).norm()
+                                  / (exact["params"][10] - exact["theta0"]).norm()),
+                   "s": round(time.perf_counter() - t0, 1)}
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+def spearman(x: list[float], y: list[float]) -> float:
+    def ranks(a):
+        t = torch.tensor(a, dtype=torch.float64)
+        r = torch.empty_like(t)
+        r[t.argsort()] = torch.arange(len(a), dtype=torch.float64)
+        return r
+    if len(x) < 3:
+        return math.nan
+    rx, ry = ranks(x), ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    return float((rx * ry).sum() / (rx.norm() * ry.norm()))
+
+
+def _pct(x):
+    return "-" if x is None else f"{100 * x:+.2f} %"
+
+
+def report(rows: list[dict], k_steps: int) -> str:
+    lines = []
+    for wname in dict.fromkeys(r["workload"] for r in rows):
+        rs = [r for r in rows if r["workload"] == wname]
+        steps = sorted({r["step"] for r in rs})
+        lines += [f"\n### {wname}: eval metric after {k_steps} resumed steps, relative to the exact resume\n",
+                  "| row | bits/moment | " + " | ".join(f"step {s}" for s in steps)
+                  + " | worst | direction error (mean) | first-update error (mean) |",
+                  "|---|---|" + "---|" * (len(steps) + 3)]
+        for v in dict.fromkeys(r["variant"] for r in rs):
+            vr = {r["step"]: r for r in rs if r["variant"] == v}
+            bits = [vr[s]["bits"] for s in steps if vr.get(s) and vr[s]["bits"] is not None]
+            cells = [_pct(vr[s]["rel"]) if s in vr else "" for s in steps]
+            worst = max(vr[s]["rel"] for s in vr)
+            lines.append(f"| {v} | {sum(bits) / len(bits):.2f} | " if bits else f"| {v} | - | ")
+            lines[-1] += " | ".join(cells) + f" | {_pct(worst)} | " \
+                + f"{sum(r['dir'] for r in vr.values()) / len(vr):.3g} | " \
+                + f"{sum(r['upd1'] for r in vr.values()) / len(vr):.3g} |"
+        pool = [r for r in rs if r["variant"] != "exact"]
+        y = [r["rel"] for r in pool]
+        lines.append("\nSpearman rank correlation with the " + f"{k_steps}-step change ({len(pool)} rows): "
+                     + ", ".join(f"{p} {spearman([r[p] for r in pool], y):+.2f}"
+                                 for p in ("dir", "upd1", "div10", "rel10", "rel50")))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default="gpt2-3m,gpt2,digits")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {', '.join(VARIANTS)}")
+    ap.add_argument("--steps", type=int, default=200, help="K: steps trained after the resume")
+    ap.add_argument("--cache", default="/tmp/ckz-resume")
+    ap.add_argument("--out", default=None, help="JSON file for the rows (default: <cache>/resume-<workloads>.json)")
+    ap.add_argument("--report", default=None, help="only print the tables of an earlier --out file")
+    a = ap.parse_args(argv)
+    if a.report:
+        d = json.loads(pathlib.Path(a.report).read_text())
+        print(report(d["rows"], d["steps"]))
+        return
+    torch.set_num_threads(1)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    variants = a.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    cache = pathlib.Path(a.cache)
+    rows = []
+    t0 = time.perf_counter()
+    for w in a.workloads.split(","):
+        rows += study(w, variants, a.steps, cache)
+    out = pathlib.Path(a.out or cache / f"resume-{a.workloads.replace(',', '+')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"steps": a.steps, "rows": rows, "wall_s": round(time.perf_counter() - t0)}, indent=1))
+    print(f"# bench/resume.py --workloads {a.workloads} --steps {a.steps}  torch {torch.__version__}  threads=1  "
+          f"load average {os.getloadavg()[0]:.1f}  wall {time.perf_counter() - t0:.0f} s")
+    print(report(rows, a.steps))
+
+
+if __name__ == "__main__":
+    main()
