@@ -40,7 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ckptzip.codec.entropy import entropy_bits
 from ckptzip.demo import workloads as W
+from ckptzip.quant import moments as M
 from ckptzip.quant.dynaquant import adam_direction_error
 from ckptzip.state import flatten_state, unflatten_state
 
@@ -131,10 +133,47 @@ def _method_row(method: str, **config):
     return row
 
 
+def _adam_params(flat):
+    """(exp_avg name, exp_avg_sq name, AdamHP) of every Adam parameter with both moments."""
+    groups = flat.skeleton["optimizer"]["param_groups"]
+    hp_of = {}
+    for g in groups:
+        betas = g["betas"]["v"] if isinstance(g["betas"], dict) else g["betas"]
+        for i in g["params"]:
+            hp_of[str(i)] = (float(betas[0]), float(betas[1]), float(g["eps"]))
+    for name, rec in flat.records.items():
+        if rec.role == "exp_avg":
+            base = name.removesuffix("exp_avg")
+            b1, b2, eps = hp_of[name.split("/")[2]]
+            yield name, base + "exp_avg_sq", M.AdamHP(float(flat.tensors[base + "step"]), b1, b2, eps)
+
+
+def _grid_row(codec: M.GridCodec, min_numel: int = 1024):
+    """Moments through quant/moments.py at a keyframe; bits = order-0 entropy of the codes + side."""
+    def row(flat):
+        out, bits = {}, 0.0
+        for mn, vn, hp in _adam_params(flat):
+            m, v = flat.tensors[mn], flat.tensors[vn]
+            if m.numel() < min_numel:
+                bits += 64 * m.numel()
+                continue
+            qm, qv = M.encode_pair(m, v, hp, codec)
+            out[mn], out[vn] = M.decode_pair(qm, qv, hp)
+            bits += sum(entropy_bits(q.codes) + sum(16 * t.numel() for t in q.side.values())
+                        for q in (qm, qv) if q is not None)
+        return out, bits / 8
+    return row
+
+
 CONTROLS = {"exact": lambda flat: ({}, None), "bf16": _bf16, "zero-mv": _zero("exp_avg", "exp_avg_sq"),
             "fresh": _zero("exp_avg", "exp_avg_sq", reset_step=True), "zero-m": _zero("exp_avg"),
             "zero-v": _zero("exp_avg_sq")}
 RECIPES = {f"dynaquant/1 k={k}": _method_row("dynaquant", moment_bins=k) for k in (16, 8, 4)}
+RECIPES.update({f"grid v{c.v_step:g}{'f' if c.factored else ''} m{c.m_bits}"
+                + (f"p{c.prune:g}" if c.prune else "") + ("" if c.normalize == "true" else " dec"): _grid_row(c)
+                for c in (M.GridCodec(0.5, m_bits=3), M.GridCodec(0.5), M.GridCodec(1.0), M.GridCodec(2.0),
+                          M.GridCodec(1.0, factored=True), M.GridCodec(1.0, m_bits=2),
+                          M.GridCodec(1.0, prune=0.8), M.GridCodec(1.0, normalize="decoded"), M.GridCodec(1.0, m_bits=0))})
 VARIANTS = {**CONTROLS, **RECIPES}
 
 
