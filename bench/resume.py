@@ -7,8 +7,8 @@ steps is compared with the exact resume's: rel = (metric - exact) / exact, posit
 loss. Weights are restored exactly in every row, so a row measures its moments alone.
 
 Rows (``VARIANTS``):
-- controls: ``exact``; ``bf16`` (moments rounded to bfloat16: the chaos floor of a tiny, unbiased
-  perturbation); ``zero-mv`` (both moments zeroed, step kept); ``fresh`` (a new optimizer state:
+- controls: ``exact``; ``bf16`` (moments rounded to bfloat16) and ``jitter1``/``jitter2`` (moments
+  times 1 + 1e-3 N(0, 1)): harmless perturbations whose spread is the run's chaotic noise floor; ``zero-mv`` (both moments zeroed, step kept); ``fresh`` (a new optimizer state:
   moments zeroed and step reset to 0, so bias correction rebuilds them); ``zero-m``; ``zero-v``;
 - moment recipes: each codec of the moment module at its settings, bytes per moment element from
   its encoded records (keyframe: no delta).
@@ -119,6 +119,15 @@ def _bf16(flat):
             for n in _moment_names(flat, "exp_avg", "exp_avg_sq")}, None
 
 
+def _jitter(seed: int, rel: float = 1e-3):
+    """Moments times (1 + rel * N(0, 1)): a harmless perturbation, to see the run's chaotic spread."""
+    def row(flat):
+        g = torch.Generator().manual_seed(seed)
+        return {n: flat.tensors[n] * (1 + rel * torch.randn(flat.tensors[n].shape, generator=g))
+                for n in _moment_names(flat, "exp_avg", "exp_avg_sq")}, None
+    return row
+
+
 def _method_row(method: str, **config):
     """Moments as a method encodes and decodes them (weights ignored: the row keeps them exact)."""
     from ckptzip.methods.base import DecodeContext, EncodeContext, get_method
@@ -167,7 +176,7 @@ def _grid_row(codec: M.GridCodec, min_numel: int = 1024):
 
 CONTROLS = {"exact": lambda flat: ({}, None), "bf16": _bf16, "zero-mv": _zero("exp_avg", "exp_avg_sq"),
             "fresh": _zero("exp_avg", "exp_avg_sq", reset_step=True), "zero-m": _zero("exp_avg"),
-            "zero-v": _zero("exp_avg_sq")}
+            "zero-v": _zero("exp_avg_sq"), "jitter1": _jitter(1), "jitter2": _jitter(2)}
 RECIPES = {f"dynaquant/1 k={k}": _method_row("dynaquant", moment_bins=k) for k in (16, 8, 4)}
 RECIPES.update({f"grid v{c.v_step:g}{'f' if c.factored else ''} m{c.m_bits}"
                 + (f"p{c.prune:g}" if c.prune else "") + ("" if c.normalize == "true" else " dec"): _grid_row(c)
@@ -204,6 +213,15 @@ def resume(wl: W.Workload, step: int, snap: dict, opt_state: dict, k_steps: int)
     return out
 
 
+def _cached(path: pathlib.Path, fn):
+    """The exact resume is every row's reference: computed once per (workload, step, K)."""
+    if path.exists():
+        return torch.load(path, weights_only=True)
+    r = fn()
+    torch.save(r, path)
+    return r
+
+
 def _direction_error(flat, restored) -> float:
     """adam_direction_error over every parameter with both moments (betas/eps of group 0)."""
     g = flat.skeleton["optimizer"]["param_groups"][0]
@@ -229,15 +247,16 @@ def study(name: str, variants: list[str], k_steps: int, cache: pathlib.Path) -> 
     for step, snap in sorted(snaps.items()):
         flat = flatten_state({"model": snap["model"], "optimizer": snap["optimizer"]}, model, opt)
         n_mom = sum(flat.records[n].numel for n in _moment_names(flat, "exp_avg", "exp_avg_sq"))
-        exact = None
         for v in ["exact", *[v for v in variants if v != "exact"]]:
             t0 = time.perf_counter()
             restored, nbytes = VARIANTS[v](flat)
             tensors = {**flat.tensors, **restored}
             opt_state = unflatten_state(flat.skeleton, tensors)["optimizer"]
-            r = resume(wl, step, snap, opt_state, k_steps)
-            if exact is None:
-                exact = r
+            if v == "exact":
+                r = exact = _cached(cache / f"{name}-exact-{step}-{k_steps}.pt",
+                                    lambda: resume(wl, step, snap, opt_state, k_steps))
+            else:
+                r = resume(wl, step, snap, opt_state, k_steps)
             rel = {i: (r["metric"][i] - exact["metric"][i]) / abs(exact["metric"][i]) for i in r["metric"]}
             d1_ref = exact["params"][1] - exact["theta0"]
             row = {"workload": name, "step": step, "variant": v, "metric": r["metric"][k_steps],

@@ -21,7 +21,8 @@ dynaquant/1 recipe), split into groups of ``group`` consecutive elements; each g
 scale s (mean |u| for 1 bit, RMS otherwise) and z = u / s is rounded to a fixed level table
 (1 bit: sign; 2 and 3 bits: Lloyd-Max levels of a unit Gaussian). ``prune`` > 0 adds a zero level
 for |z| below the quantile ``prune`` of |z| (ExCP's momentum pruning by magnitude).
-Decode: u_q = levels[code] * s, m_q = u_q * D_q.
+Decode: u_q = levels[code] * s, m_q = u_q * D_q, and 0 where v has the zero level (both exactly
+zero: e.g. weights of an input that is always zero).
 
 Call order (decode v before m: m needs D_q)::
 
@@ -145,9 +146,9 @@ def decode_grid(q: QuantizedTensor) -> torch.Tensor:
     return c
 
 
-def decode_denominator(q: QuantizedTensor, hp: AdamHP) -> torch.Tensor:
-    """D_q = eps * 2**(c * step), flat fp32 (c = 0: D = eps, i.e. v = 0)."""
-    c = decode_grid(q)
+def decode_denominator(q: QuantizedTensor, hp: AdamHP, codes: torch.Tensor | None = None) -> torch.Tensor:
+    """D_q = eps * 2**(c * step), flat fp32 (c = 0: D = eps, i.e. v = 0); ``codes``: decode_grid(q)."""
+    c = decode_grid(q) if codes is None else codes
     return torch.exp2(c.to(torch.float64) * float(q.meta["step"])).mul_(hp.eps).to(torch.float32)
 
 
@@ -272,7 +273,11 @@ def encode_pair(m: torch.Tensor, v: torch.Tensor, hp: AdamHP, codec: GridCodec
 def decode_pair(qm: QuantizedTensor | None, qv: QuantizedTensor, hp: AdamHP, m_dtype: str = "float32"
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(m, v) in their stored dtypes: v first, then m from the decoded denominator (zeros if qm is None)."""
-    D = decode_denominator(qv, hp)
+    c = decode_grid(qv)
+    D = decode_denominator(qv, hp, c)
     v = v_from_denominator(D, hp, qv.shape, torch_dtype(qv.dtype))
-    m = torch.zeros(qv.shape, dtype=torch_dtype(m_dtype)) if qm is None else dequantize_m(qm, D)
+    if qm is None:
+        return torch.zeros(qv.shape, dtype=torch_dtype(m_dtype)), v
+    m = dequantize_m(qm, D)
+    m.reshape(-1)[c == 0] = 0  # the zero level of v is where both moments were exactly zero
     return m, v
