@@ -241,13 +241,20 @@ def _direction_error(flat, restored) -> float:
 
 
 def study(name: str, variants: list[str], k_steps: int, cache: pathlib.Path) -> list[dict]:
+    """Every (checkpoint, row) of one workload; rows already in <cache>/<name>-rows-<K>.jsonl are reused."""
     wl, snaps = snapshots(name, cache)
     model, opt, _ = wl.build(0)
+    log = cache / f"{name}-rows-{k_steps}.jsonl"
+    done = {(r["step"], r["variant"]): r for r in map(json.loads, log.read_text().splitlines())} \
+        if log.exists() else {}
     rows = []
     for step, snap in sorted(snaps.items()):
         flat = flatten_state({"model": snap["model"], "optimizer": snap["optimizer"]}, model, opt)
         n_mom = sum(flat.records[n].numel for n in _moment_names(flat, "exp_avg", "exp_avg_sq"))
         for v in ["exact", *[v for v in variants if v != "exact"]]:
+            if (step, v) in done:
+                rows.append(done[(step, v)])
+                continue
             t0 = time.perf_counter()
             restored, nbytes = VARIANTS[v](flat)
             tensors = {**flat.tensors, **restored}
@@ -268,7 +275,8 @@ def study(name: str, variants: list[str], k_steps: int, cache: pathlib.Path) -> 
                                   / (exact["params"][10] - exact["theta0"]).norm()),
                    "s": round(time.perf_counter() - t0, 1)}
             rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
+            with log.open("a") as f:
+                f.write(json.dumps(row) + "\n")
     return rows
 
 

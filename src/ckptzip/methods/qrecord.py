@@ -1,7 +1,8 @@
 """Storing one QuantizedTensor as a chain record (shared by every quantizing method).
 
 Blobs: ``codes`` (codec/entropy.encode_codes buffer: self-describing, optionally a cyclic delta
-against the previous checkpoint's codes), ``codebook`` (fp32, n_levels values, NaN allowed), and
+against the previous checkpoint's codes), ``codebook`` (fp32, n_levels values, NaN allowed; absent
+with meta ``codebook: false`` for a parametric grid), and
 one blob per side tensor ``side.<key>`` (raw little-endian bytes). Meta: ``n_levels``, ``delta``,
 ``side`` = {key: [dtype, shape]}, plus the quantizer's JSON facts.
 """
@@ -34,8 +35,12 @@ def store(enc: Encoded, name: str, q: QuantizedTensor, prev: CodesRef | None, *,
     side = {k: v.detach().cpu().contiguous() for k, v in q.side.items()}
     rec_meta = {"n_levels": q.n_levels, "delta": prev is not None,
                 "side": {k: [dtype_name(v.dtype), list(v.shape)] for k, v in side.items()}, **(meta or {})}
-    enc.add(name, pipeline, rec_meta, codes=blob, codebook=tensor_to_bytes(q.codebook.float().cpu()),
-            **{f"side.{k}": tensor_to_bytes(v) for k, v in side.items()})
+    book = {}
+    if q.codebook.numel():
+        book["codebook"] = tensor_to_bytes(q.codebook.float().cpu())
+    else:  # a parametric grid (the moment codec): the levels are implied by the meta
+        rec_meta["codebook"] = False
+    enc.add(name, pipeline, rec_meta, codes=blob, **book, **{f"side.{k}": tensor_to_bytes(v) for k, v in side.items()})
     return compact(q.codes), q.n_levels
 
 
@@ -75,7 +80,8 @@ def load(enc: Encoded, name: str, shape, dtype: str, prev: CodesRef | None) -> Q
         n *= int(d)
     if codes.numel() != n:
         raise CorruptCheckpointError(f"record {name!r} holds {codes.numel()} codes for a tensor of {n} elements")
-    codebook = tensor_from_bytes(enc.blob(name, "codebook"), "float32", (n_levels,))
+    codebook = torch.empty(0) if meta.get("codebook") is False else \
+        tensor_from_bytes(enc.blob(name, "codebook"), "float32", (n_levels,))
     side = {k: tensor_from_bytes(enc.blob(name, f"side.{k}"), dt, tuple(shp)) for k, (dt, shp) in side_spec.items()}
     return QuantizedTensor(codes=codes, n_levels=n_levels, codebook=codebook, shape=tuple(shape), dtype=dtype,
                            side=side, meta=meta)
