@@ -30,6 +30,7 @@ Run:  PYTHONPATH=src .venv/bin/python bench/resume.py --workloads gpt2-3m,gpt2,d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -47,6 +48,7 @@ from ckptzip.quant.dynaquant import adam_direction_error
 from ckptzip.state import flatten_state, unflatten_state
 
 PROBES = (1, 10, 50)  # resume steps at which the proxies are taken
+MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,20 @@ class Case:
     steps: tuple[int, ...]
 
 
+def _digits_sgd():
+    """The digits workload trained with SGD + momentum 0.9 (its state: momentum_buffer only)."""
+    wl = W.digits_workload()
+
+    def build(seed):
+        model, _, _ = wl.build(seed)
+        return model, torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9), None
+    return dataclasses.replace(wl, name="digits-sgd", build=build)
+
+
 CASES = {
     "digits": Case(lambda: W.digits_workload(), (60, 300, 540)),
     "gpt2": Case(lambda: W.gpt2_workload(), (60, 240, 480)),                            # 0.83M params
+    "digits-sgd": Case(_digits_sgd, (60, 300, 540)),
     "gpt2-3m": Case(lambda: W.gpt2_workload(n_embd=256, n_layer=4), (100, 500, 900)),  # 3.2M params
 }
 
@@ -116,7 +129,7 @@ def _zero(*roles, reset_step=False):
 
 def _bf16(flat):
     return {n: flat.tensors[n].to(torch.bfloat16).to(flat.tensors[n].dtype)
-            for n in _moment_names(flat, "exp_avg", "exp_avg_sq")}, None
+            for n in _moment_names(flat, *MOMENTS)}, None
 
 
 def _jitter(seed: int, rel: float = 1e-3):
@@ -124,7 +137,7 @@ def _jitter(seed: int, rel: float = 1e-3):
     def row(flat):
         g = torch.Generator().manual_seed(seed)
         return {n: flat.tensors[n] * (1 + rel * torch.randn(flat.tensors[n].shape, generator=g))
-                for n in _moment_names(flat, "exp_avg", "exp_avg_sq")}, None
+                for n in _moment_names(flat, *MOMENTS)}, None
     return row
 
 
@@ -136,7 +149,7 @@ def _method_row(method: str, **config):
         m = get_method(method, config)
         enc, _ = m.encode(flat, None, ctx=EncodeContext(step=0))
         out, _ = m.decode(flat.records, enc, None, ctx=DecodeContext(step=0))
-        names = _moment_names(flat, "exp_avg", "exp_avg_sq")
+        names = _moment_names(flat, *MOMENTS)
         nbytes = sum(len(enc.blobs[k]) for n in names for k in enc.records[n]["blobs"].values())
         return {n: out[n] for n in names}, nbytes
     return row
@@ -157,6 +170,22 @@ def _adam_params(flat):
             yield name, base + "exp_avg_sq", M.AdamHP(float(flat.tensors[base + "step"]), b1, b2, eps)
 
 
+def _sgd_row(bits: int, group: int = 256, min_numel: int = 1024):
+    """SGD momentum buffers through quant/moments.quantize_m (no v: the buffer is the direction)."""
+    def row(flat):
+        out, nbits = {}, 0.0
+        for n in _moment_names(flat, "momentum_buffer"):
+            t = flat.tensors[n]
+            if t.numel() < min_numel:
+                nbits += 32 * t.numel()
+                continue
+            q = M.quantize_m(t, None, bits=bits, group=group)
+            out[n] = M.dequantize_m(q, None)
+            nbits += entropy_bits(q.codes) + 16 * q.side["scale"].numel()
+        return out, nbits / 8
+    return row
+
+
 def _grid_row(codec: M.GridCodec, min_numel: int = 1024):
     """Moments through quant/moments.py at a keyframe; bits = order-0 entropy of the codes + side."""
     def row(flat):
@@ -174,8 +203,8 @@ def _grid_row(codec: M.GridCodec, min_numel: int = 1024):
     return row
 
 
-CONTROLS = {"exact": lambda flat: ({}, None), "bf16": _bf16, "zero-mv": _zero("exp_avg", "exp_avg_sq"),
-            "fresh": _zero("exp_avg", "exp_avg_sq", reset_step=True), "zero-m": _zero("exp_avg"),
+CONTROLS = {"exact": lambda flat: ({}, None), "bf16": _bf16, "zero-mv": _zero(*MOMENTS),
+            "fresh": _zero(*MOMENTS, reset_step=True), "zero-m": _zero("exp_avg"),
             "zero-v": _zero("exp_avg_sq"), "jitter1": _jitter(1), "jitter2": _jitter(2)}
 RECIPES = {f"dynaquant/1 k={k}": _method_row("dynaquant", moment_bins=k) for k in (16, 8, 4)}
 RECIPES.update({f"grid v{c.v_step:g}{'f' if c.factored else ''} m{c.m_bits}"
@@ -183,6 +212,7 @@ RECIPES.update({f"grid v{c.v_step:g}{'f' if c.factored else ''} m{c.m_bits}"
                 for c in (M.GridCodec(0.5, m_bits=3), M.GridCodec(0.5), M.GridCodec(1.0), M.GridCodec(2.0),
                           M.GridCodec(1.0, factored=True), M.GridCodec(1.0, m_bits=2),
                           M.GridCodec(1.0, prune=0.8), M.GridCodec(1.0, normalize="decoded"), M.GridCodec(1.0, m_bits=0))})
+RECIPES.update({f"sgd m{b}": _sgd_row(b) for b in (1, 2, 3)})
 VARIANTS = {**CONTROLS, **RECIPES}
 
 
@@ -223,7 +253,13 @@ def _cached(path: pathlib.Path, fn):
 
 
 def _direction_error(flat, restored) -> float:
-    """adam_direction_error over every parameter with both moments (betas/eps of group 0)."""
+    """adam_direction_error over every parameter with both moments (betas/eps of group 0); for SGD
+    the relative error of the momentum buffers (the update direction itself)."""
+    bufs = _moment_names(flat, "momentum_buffer")
+    if bufs:
+        x = torch.cat([flat.tensors[n].reshape(-1) for n in bufs])
+        y = torch.cat([restored.get(n, flat.tensors[n]).reshape(-1) for n in bufs])
+        return float((y - x).norm() / x.norm())
     g = flat.skeleton["optimizer"]["param_groups"][0]
     betas = g["betas"]["v"] if isinstance(g["betas"], dict) else g["betas"]
     ms, vs, mq, vq, steps = [], [], [], [], set()
@@ -250,7 +286,7 @@ def study(name: str, variants: list[str], k_steps: int, cache: pathlib.Path) -> 
     rows = []
     for step, snap in sorted(snaps.items()):
         flat = flatten_state({"model": snap["model"], "optimizer": snap["optimizer"]}, model, opt)
-        n_mom = sum(flat.records[n].numel for n in _moment_names(flat, "exp_avg", "exp_avg_sq"))
+        n_mom = sum(flat.records[n].numel for n in _moment_names(flat, *MOMENTS))
         for v in ["exact", *[v for v in variants if v != "exact"]]:
             if (step, v) in done:
                 rows.append(done[(step, v)])
