@@ -80,9 +80,12 @@ def load(enc: Encoded, name: str, shape, dtype: str, prev: CodesRef | None) -> Q
         n *= int(d)
     if codes.numel() != n:
         raise CorruptCheckpointError(f"record {name!r} holds {codes.numel()} codes for a tensor of {n} elements")
-    codebook = torch.empty(0) if meta.get("codebook") is False else \
-        tensor_from_bytes(enc.blob(name, "codebook"), "float32", (n_levels,))
-    side = {k: tensor_from_bytes(enc.blob(name, f"side.{k}"), dt, tuple(shp)) for k, (dt, shp) in side_spec.items()}
+    try:
+        codebook = torch.empty(0) if meta.get("codebook") is False else \
+            tensor_from_bytes(enc.blob(name, "codebook"), "float32", (n_levels,))
+        side = {k: tensor_from_bytes(enc.blob(name, f"side.{k}"), dt, tuple(shp)) for k, (dt, shp) in side_spec.items()}
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"record {name!r}: {e}") from None
     return QuantizedTensor(codes=codes, n_levels=n_levels, codebook=codebook, shape=tuple(shape), dtype=dtype,
                            side=side, meta=meta)
 
