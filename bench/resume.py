@@ -284,44 +284,43 @@ def _direction_error(flat, restored) -> float:
 
 
 def study(name: str, variants: list[str], k_steps: int, cache: pathlib.Path) -> list[dict]:
-    """Every (checkpoint, row) of one workload; rows already in <cache>/<name>-rows-<K>.jsonl are reused."""
+    """Every (row, checkpoint) of one workload, row by row (a partial run has whole rows); rows
+    already in <cache>/<name>-rows-<K>w.jsonl are reused, the exact resume is cached per step."""
     wl, snaps = snapshots(name, cache)
     model, opt, _ = wl.build(0)
     log = cache / f"{name}-rows-{k_steps}w.jsonl"
     done = {(r["step"], r["variant"]): r for r in map(json.loads, log.read_text().splitlines())} \
         if log.exists() else {}
+    flats = {step: flatten_state({"model": snap["model"], "optimizer": snap["optimizer"]}, model, opt)
+             for step, snap in snaps.items()}
     rows = []
-    for step, snap in sorted(snaps.items()):
-        flat = flatten_state({"model": snap["model"], "optimizer": snap["optimizer"]}, model, opt)
-        n_mom = sum(flat.records[n].numel for n in _moment_names(flat, *MOMENTS))
-        for v in ["exact", *[v for v in variants if v != "exact"]]:
-            if (step, v) in done:
-                rows.append(done[(step, v)])
-                continue
-            t0 = time.perf_counter()
-            restored, nbytes = VARIANTS[v](flat)
-            tensors = {**flat.tensors, **restored}
-            opt_state = unflatten_state(flat.skeleton, tensors)["optimizer"]
-            if v == "exact":
-                r = exact = _cached(cache / f"{name}-exact-{step}-{k_steps}w.pt",
-                                    lambda: resume(wl, step, snap, opt_state, k_steps))
-            else:
-                r = resume(wl, step, snap, opt_state, k_steps)
-            rel = {i: (r["metric"][i] - exact["metric"][i]) / abs(exact["metric"][i]) for i in r["metric"]}
-            rel["window"] = (r["window"] - exact["window"]) / abs(exact["window"])
-            d1_ref = exact["params"][1] - exact["theta0"]
-            row = {"workload": name, "step": step, "variant": v, "metric": r["metric"][k_steps],
-                   "rel": rel["window"], "rel_end": rel[k_steps], "rel10": rel[10], "rel50": rel[50],
-                   "bits": None if nbytes is None else 8 * nbytes / n_mom,
-                   "dir": _direction_error(flat, restored),
-                   "upd1": float((r["params"][1] - r["theta0"] - d1_ref).norm() / d1_ref.norm()),
-                   "div10": float((r["params"][10] - exact["params"][10]).norm()
-                                  / (exact["params"][10] - exact["theta0"]).norm()),
-                   "s": round(time.perf_counter() - t0, 1)}
-            rows.append(row)
-            with log.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+    for v in ["exact", *[v for v in variants if v != "exact"]]:
+        for step, snap in sorted(snaps.items()):
+            if (step, v) not in done:
+                done[(step, v)] = _row(wl, name, step, snap, flats[step], v, k_steps, cache)
+                with log.open("a") as f:
+                    f.write(json.dumps(done[(step, v)]) + "\n")
+            rows.append(done[(step, v)])
     return rows
+
+
+def _row(wl, name: str, step: int, snap: dict, flat, v: str, k_steps: int, cache: pathlib.Path) -> dict:
+    t0 = time.perf_counter()
+    restored, nbytes = VARIANTS[v](flat)
+    opt_state = unflatten_state(flat.skeleton, {**flat.tensors, **restored})["optimizer"]
+    exact = _cached(cache / f"{name}-exact-{step}-{k_steps}w.pt", lambda: resume(wl, step, snap, snap["optimizer"], k_steps))
+    r = exact if v == "exact" else resume(wl, step, snap, opt_state, k_steps)
+    rel = {i: (r["metric"][i] - exact["metric"][i]) / abs(exact["metric"][i]) for i in r["metric"]}
+    d1_ref = exact["params"][1] - exact["theta0"]
+    n_mom = sum(flat.records[n].numel for n in _moment_names(flat, *MOMENTS))
+    return {"workload": name, "step": step, "variant": v, "metric": r["metric"][k_steps],
+            "rel": (r["window"] - exact["window"]) / abs(exact["window"]), "rel_end": rel[k_steps],
+            "rel10": rel[10], "rel50": rel[50], "bits": None if nbytes is None else 8 * nbytes / n_mom,
+            "dir": _direction_error(flat, restored),
+            "upd1": float((r["params"][1] - r["theta0"] - d1_ref).norm() / d1_ref.norm()),
+            "div10": float((r["params"][10] - exact["params"][10]).norm()
+                           / (exact["params"][10] - exact["theta0"]).norm()),
+            "s": round(time.perf_counter() - t0, 1)}
 
 
 # ---------------------------------------------------------------------------------------------

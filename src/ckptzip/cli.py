@@ -338,7 +338,20 @@ def inspect(
                   "x".join(map(str, r["shape"])) or "scalar", str(r["stored_bytes"]), " | ".join(r["pipeline"]))
     t.caption = (f"{len(rows)} tensors, {_size(e.raw_bytes)} -> {_size(e.nbytes)} "
                  f"({_ratio(e.raw_bytes, e.nbytes)}) including the manifest")
+    kept = _exact_optimizer_state(rows)
+    if kept:
+        t.caption += f"\noptimizer state stored exact: {kept}"
     _out().print(t)
+
+
+def _exact_optimizer_state(rows: list[dict]) -> str:
+    """Optimizer-state records (step counts aside) a method kept exact, counted by role: states a
+    moment codec does not know (Adagrad's sum, AMSGrad's max_exp_avg_sq, ...) and small tensors."""
+    roles: dict[str, int] = {}
+    for r in rows:
+        if r["name"].startswith("optimizer/state/") and r["role"] != "step" and (r["pipeline"] or [""])[0] == "exact/1":
+            roles[str(r["role"])] = roles.get(str(r["role"]), 0) + 1
+    return ", ".join(f"{role} x{n}" for role, n in sorted(roles.items()))
 
 
 @app.command()
