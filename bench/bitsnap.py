@@ -44,13 +44,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import pathlib
+import sys
 import time
 
 import torch
 from torch import nn
 
-from ckptzip.codec import bitmask as bm
-from ckptzip.quant import cluster8 as c8
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # bench/ is not a package
+import paper_baselines as pb  # noqa: E402
+
+from ckptzip.codec import bitmask as bm  # noqa: E402
+from ckptzip.quant import cluster8 as c8  # noqa: E402
 
 WARMUP, PEAK_LR, MIN_LR = 20, 1e-3, 1e-5
 INTERVALS = (1, 10, 100)
@@ -207,7 +212,7 @@ def optimizer_rows(name, states):
         t = [float(state[i]["step"]) for i in range(len(names))]
         schemes = {
             "cluster8": (lambda x: c8.dequantize(c8.quantize(x))),
-            "naive uint8": (lambda x: c8.naive_uint8_dequantize(c8.naive_uint8_quantize(x))),
+            "naive uint8": (lambda x: pb.naive_uint8_dequantize(pb.naive_uint8_quantize(x))),
         }
         n_el = sum(x.numel() for x in ms)
         for sname, f in schemes.items():

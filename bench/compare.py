@@ -13,8 +13,8 @@ Sections (run all, or pick with --only):
                        Table 10 floor is 8). QD picks each tensor's levels by entropy, at most
                        max_bins, so its "bins" is a cap: the "qd (levels used)" row gives the
                        numel-weighted mean of the per-tensor levels actually used at that cap.
-            cnr        n_bins; n_step_bins = 100, range_ratio = 0.2 (AdaptiveConfig defaults)
-            gobo       n_bins, embeddings too (n_bins_embedding = n_bins); outliers (Gaussian
+            cnr        bins; step_bins = 100, range_ratio = 0.2 (AdaptiveConfig defaults)
+            gobo       bins, embeddings too (embedding_bins = bins); outliers (Gaussian
                        log-density < -4) kept in fp32 on top of the bins
             dynaquant  bins = embedding_bins, prune_fraction 0, protect_fraction 0.005 (bf16 on top
                        of the bins), sensitivity from each checkpoint's gradients
@@ -92,10 +92,10 @@ def quantize_checkpoint(w: table7.Workload, ck: table7.Ckpt, method: str, bins: 
         cfg = uniform.UniformConfig(min_bins=2, max_bins=bins)
         return {n: uniform.quantize(ck.model[n], cfg) for n in names}
     if method == "cnr":
-        cfg = adaptive.AdaptiveConfig(n_bins=bins)
+        cfg = adaptive.AdaptiveConfig(bins=bins)
         return {n: adaptive.quantize(ck.model[n], cfg) for n in names}
     if method == "gobo":
-        cfg = gobo.GoboConfig(n_bins=bins, n_bins_embedding=bins)
+        cfg = gobo.GoboConfig(bins=bins, embedding_bins=bins)
         return {n: gobo.quantize(ck.model[n], cfg, embedding=w.ltypes[n] == "embedding") for n in names}
     raise ValueError(f"unknown quantizer {method!r}; choose from {QUANTIZERS}")
 
@@ -302,8 +302,8 @@ def _search_row(workload: str, r) -> list | None:
     if not sums:
         return None
     m = get_method(r.method)
-    names = [a.knob for a in m.config.space().axes()] + ([k] if (k := m.config.space().group_knob) else [])
-    label = m.config.space().label
+    names = [a.knob for a in m.space().axes()] + ([k] if (k := m.space().group_knob) else [])
+    label = m.space().label
     chosen = Counter(label({k: s[k] for k in names}) for s in sums)
     kinds = Counter(s["search"] for s in sums)
     return [workload, r.method, ", ".join(f"{k} {n}" for k, n in kinds.items()),

@@ -56,7 +56,7 @@ def ablation(args):
     results = {}
     for name, knobs in VARIANTS.items():
         with tempfile.TemporaryDirectory() as d:
-            chain = CheckpointChain(d, "dynaquant", dict(knobs), keyframe=KeyframePolicy(every=10_000))
+            chain = CheckpointChain(d, "dynaquant", {"codes": dict(knobs)}, keyframe=KeyframePolicy(every=10_000))
             t = time.perf_counter()
             per = []
             for step, st in snaps:
@@ -101,13 +101,12 @@ def ablation(args):
 def throughput(args):
     """Delta stage alone (cyclic delta -> rearrange -> RLE -> Huffman) on real consecutive codes."""
     from ckptzip.codec.entropy import decode_codes, encode_codes
-    from ckptzip.methods.dynaquant import quantize_weights
-    from ckptzip.quant.dynaquant import DynaQuantConfig
+    from ckptzip.methods.base import get_method
     from ckptzip.state import flatten_state
 
     _, _, snaps = training_snapshots(2, args.every)
-    cfg = DynaQuantConfig()
-    qs = [quantize_weights(flatten_state(st), cfg) for _, st in snaps]
+    method = get_method("dynaquant")
+    qs = [method.search_quantize(flatten_state(st), {}) for _, st in snaps]
     names = sorted(qs[0])
     prev = torch.cat([qs[0][n].codes for n in names])
     cur = torch.cat([qs[1][n].codes for n in names])

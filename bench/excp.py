@@ -41,8 +41,9 @@ from ckptzip.chain import CheckpointChain
 from ckptzip.demo.workloads import gpt2_workload
 from ckptzip.format import decode_container
 from ckptzip.methods.base import DecodeContext, Encoded, method_class
-from ckptzip.quant.excp import (EXCP_FAITHFUL, apply_residual, lzma_compress, pack_codes, prune, quantize_nonzeros,
-                                residual)
+from ckptzip.codec import bitpack
+from ckptzip.codec.frames import xz_compress
+from ckptzip.quant.excp import EXCP_FAITHFUL, apply_residual, prune, quantize_nonzeros, residual
 from ckptzip.state import TensorRecord, unflatten_state
 from ckptzip.tensorbytes import tensor_to_bytes
 
@@ -76,7 +77,7 @@ def _store(x: torch.Tensor, quant: bool) -> tuple[bytes, torch.Tensor]:
     if not quant or int((x != 0).sum()) <= 15:
         return tensor_to_bytes(x), x
     q = quantize_nonzeros(x, bits=4, codebook_dtype="float16")
-    data = pack_codes(q.codes, 4) + tensor_to_bytes(q.codebook[1:].half())
+    data = bitpack.pack(q.codes, 4).numpy().tobytes() + tensor_to_bytes(q.codebook[1:].half())
     return data, q.codebook[q.codes].reshape(x.shape)
 
 
@@ -102,7 +103,7 @@ def ablation(wl, probe, names, snaps):
                     payload.append(data)
                     if part is x:
                         new_w[n] = apply_residual(w_hat[n], rebuilt) if res else rebuilt.to(w.dtype)
-            sizes.append(len(lzma_compress(b"".join(payload))))
+            sizes.append(len(xz_compress(b"".join(payload))))
             w_hat = new_w
             losses.append(evaluate(wl, probe, w_hat))
         true = evaluate(wl, probe, {n: chain[-1][1][n] for n in names})

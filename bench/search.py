@@ -42,11 +42,12 @@ import torch
 from ckptzip.chain import CheckpointChain
 from ckptzip.codec.entropy import encode_codes, entropy_bits
 from ckptzip.demo.workloads import gpt2_workload
-from ckptzip.methods.base import EncodeContext, Reference, get_method
-from ckptzip.methods.dynaquant import DynaQuantMethodConfig, quantize_weights
+from ckptzip.methods.base import EncodeContext, get_method
+from ckptzip.methods.qrecord import Codes
+from ckptzip.methods.quantizing import QuantizedReference
 from ckptzip.search import search_config
 from ckptzip.search.cube import ConfigCube
-from ckptzip.search.spaces import SearchSpace
+from ckptzip.search.spaces import DynaQuantSpace
 from ckptzip.search.strategies import estimate_bits
 from ckptzip.sensitivity import GradientRecorder, should_arm
 from ckptzip.state import flatten_state
@@ -92,12 +93,12 @@ def replay(wl, snaps, threshold: float, root: str):
 
 
 def _real_bytes(quantized: dict, reference) -> int:
-    ref = reference.data if reference is not None else {}
+    ref = reference.weights if reference is not None else {}
     n = 0
     for name, q in quantized.items():
         p = ref.get(name)
-        prev = p[0].long() if p is not None else None
-        B = max(q.n_levels, p[1]) if p is not None else q.n_levels
+        prev = p.codes.long() if p is not None else None
+        B = max(q.n_levels, p.n_levels) if p is not None else q.n_levels
         n += len(encode_codes(prev, q.codes.long(), B)) + 4 * q.n_levels + 2 * q.side["protected"].numel()
     return n
 
@@ -122,7 +123,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 def rank_quality(wl, snaps, rows_ref, samples: int, seed: int = 0):
     """Spearman(est bits, real bytes) at the first checkpoint and at a mid-run delta checkpoint."""
     model, _, _ = wl.build(0)
-    base = DynaQuantMethodConfig().quantizer()
+    method = get_method("dynaquant")
     cube = ConfigCube(embedding=True)
     pts = list(cube.points())
     rng = random.Random(seed)
@@ -137,12 +138,11 @@ def rank_quality(wl, snaps, rows_ref, samples: int, seed: int = 0):
         if i > 0:  # the codes that chain holds as reference for checkpoint i
             p = snaps[i - 1]
             knobs = {k: rows_ref[i - 1]["entry"].summary[k] for k in cube.knob_names + ("prune_metric",)}
-            q_prev = quantize_weights(flatten_state({"model": p["model"]}, model),
-                                      replace(base, **knobs), p["grads"])
-            ref = Reference(p["step"], {n: (q.codes, q.n_levels) for n, q in q_prev.items()})
+            q_prev = method.search_quantize(flatten_state({"model": p["model"]}, model), knobs, p["grads"])
+            ref = QuantizedReference(p["step"], {n: Codes(q.codes, q.n_levels) for n, q in q_prev.items()})
         est, plain, real = [], [], []
         for c in cands:
-            q = quantize_weights(flat, replace(base, **c.knobs()), s["grads"])
+            q = method.search_quantize(flat, c.knobs(), s["grads"])
             est.append(estimate_bits(q, ref)[0])
             plain.append(sum(entropy_bits(t.codes) + 16 * t.side["protected"].numel() + 32 * t.n_levels
                              for t in q.values()))
@@ -152,7 +152,7 @@ def rank_quality(wl, snaps, rows_ref, samples: int, seed: int = 0):
 
 
 def _cfg(summary: dict) -> str:
-    return SearchSpace().label(summary)
+    return DynaQuantSpace().label(summary)
 
 
 def main():

@@ -84,7 +84,7 @@ def test_bad_arguments(tmp_path):
 def test_gradient_window_records_before_save_only(tmp_path):
     torch.set_num_threads(1)
     m, o, s = build(0)
-    ck = ckptzip.Compressor(m, o, tmp_path / "c", method="dynaquant", config={"prune_metric": "sensitivity"},
+    ck = ckptzip.Compressor(m, o, tmp_path / "c", method="dynaquant", config={"quantizer": {"prune_metric": "sensitivity"}},
                             save_every=10, grad_window=3)
     rec = ck._recorder
     step = train_steps(m, o, s, 6, 0)

@@ -1,4 +1,7 @@
 """BitSnap cluster-based quantization (quant/cluster8.py) on real Adam moments."""
+import pathlib
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -6,6 +9,9 @@ from scipy.stats import norm
 
 from ckptzip.errors import ConfigError, CorruptCheckpointError, NonFiniteError
 from ckptzip.quant import cluster8 as c8
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))  # the paper's baselines
+import paper_baselines as pb  # noqa: E402
 
 
 def _moments(snaps, key):
@@ -54,7 +60,7 @@ def test_beats_naive_uint8_on_real_moments(digits_snapshots):
     for key in ("exp_avg", "exp_avg_sq"):
         xs = _moments(snaps, key)
         ours = _mre_mse(xs, [c8.dequantize(c8.quantize(x)) for x in xs])
-        naive = _mre_mse(xs, [c8.naive_uint8_dequantize(c8.naive_uint8_quantize(x)) for x in xs])
+        naive = _mre_mse(xs, [pb.naive_uint8_dequantize(pb.naive_uint8_quantize(x)) for x in xs])
         assert ours[1] < naive[1] / 5, (key, ours, naive)  # MSE
         assert ours[0] < naive[0] / 2, (key, ours, naive)  # MRE
 
@@ -62,14 +68,14 @@ def test_beats_naive_uint8_on_real_moments(digits_snapshots):
 def test_naive_is_one_min_max_grid(digits_snapshots):
     _, _, snaps, _ = digits_snapshots
     x = _moments(snaps, "exp_avg_sq")[4]
-    q = c8.naive_uint8_quantize(x)
+    q = pb.naive_uint8_quantize(x)
     lo, hi = float(x.min()), float(x.max())
     assert q.n_levels == 256 and float(q.codebook[0]) == lo
     assert float(q.codebook[255]) == pytest.approx(hi, rel=1e-5)
-    err = (x - c8.naive_uint8_dequantize(q)).abs().max()
+    err = (x - pb.naive_uint8_dequantize(q)).abs().max()
     assert float(err) <= (hi - lo) / 255 / 2 * (1 + 1e-5)
     # one cluster of cluster8 is the same quantizer
-    assert torch.equal(c8.dequantize(c8.quantize(x, c8.Cluster8Config(n_clusters=1))), c8.naive_uint8_dequantize(q))
+    assert torch.equal(c8.dequantize(c8.quantize(x, c8.Cluster8Config(n_clusters=1))), pb.naive_uint8_dequantize(q))
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 1001])

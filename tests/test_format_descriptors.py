@@ -17,29 +17,47 @@ import torch
 
 import ckptzip
 from ckptzip import CheckpointChain
+from ckptzip.codec import stages as S
 from ckptzip.format import decode_container
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "FORMAT.md"
 
 _EXACT = ["exact/1, bytegroup/1", "exact/1, raw/1"]
-_EXCP_CODERS = "{ans|huffman|xz|zstd}/1"
+_EXCP_CODES = ["excp-codes/2, {ans|huffman}/1", "excp-codes/2, bitpack/1, {xz|zstd-frame}/1"]
 DOCUMENTED: dict[str, list[str]] = {
     "lossless": ["lossless/1, bytegroup/1", "lossless/1, xor/1, bytegroup/1"],
-    "dynaquant": _EXACT + ["dynaquant/1, rle/1?, {huffman|ans|zstd}/1",
-                           "dynaquant/1, cyclic-delta/1, rearrange/1?, rle/1?, {huffman|ans|zstd}/1"],
+    "dynaquant": _EXACT + ["dynaquant/1, rle/1?, {huffman|ans|zstd-ints}/1",
+                           "dynaquant/1, cyclic-delta/1, rearrange/1?, rle/1?, {huffman|ans|zstd-ints}/1"],
     "qd": _EXACT + ["qd/1, huffman/1", "qd/1, cyclic-delta/1, huffman/1"],
     "cnr": _EXACT + ["cnr/1, huffman/1"],
     "gobo": _EXACT + ["gobo/1, huffman/1"],
+    "bitsnap": _EXACT + ["bitsnap/1, bitmask/1", "bitsnap/1, bitmask/1, bytegroup/1",
+                         "bitsnap/1, bitmask/1, zstd-frame/1", "bitsnap/1, cluster8/1",
+                         "bitsnap/1, cluster8/1, zero-if/1"],
+    "bitsnap-lossless": _EXACT + ["bitsnap/1, bitmask/1", "bitsnap/1, bitmask/1, bytegroup/1",
+                                  "bitsnap/1, bitmask/1, zstd-frame/1"],
+    "excp": ["exact/1, span/1", "excp-residual/1, excp-tensor/2, span/1", "joint/1", "excp-base/1"],
+    "excp-fixed": _EXACT + ["exact/1, span/1"] + [f"{first}{tail}" for first in
+                                                   ("excp-residual/1, excp-tensor/2", "kmeans-nonzero/1", "joint/1")
+                                                   for tail in ["", *(", " + c for c in _EXCP_CODES)]],
+}
+# the same table for the files ckptzip 0.1 wrote (FORMAT.md "Pipelines of files written by ckptzip 0.1")
+_V1_CODERS = "{ans|huffman|xz|zstd}/1"
+DOCUMENTED_V01: dict[str, list[str]] = {
+    **{m: DOCUMENTED[m] for m in ("lossless", "qd", "cnr", "gobo")},
+    "dynaquant": _EXACT + ["dynaquant/1, rle/1?, {huffman|ans|zstd}/1",
+                           "dynaquant/1, cyclic-delta/1, rearrange/1?, rle/1?, {huffman|ans|zstd}/1"],
     "bitsnap": _EXACT + ["bitsnap/1, bitmask/1", "bitsnap/1, bitmask/1, bytegroup/1", "bitsnap/1, bitmask/1, zstd/1",
                          "bitsnap/1, cluster8/1", "bitsnap/1, cluster8/1, zero-if/1"],
     "bitsnap-lossless": _EXACT + ["bitsnap/1, bitmask/1", "bitsnap/1, bitmask/1, bytegroup/1",
                                   "bitsnap/1, bitmask/1, zstd/1"],
     "excp": ["raw/1, xz/1", "excp-residual/1, excp-tensor/1, xz/1", "excp-tensor/1, xz/1", "excp-base/1"],
     "excp-fixed": _EXACT + ["raw/1, {xz|zstd}/1", "excp-residual/1, excp-tensor/1",
-                            f"excp-residual/1, excp-tensor/1, excp-codes/1, {_EXCP_CODERS}", "kmeans-nonzero/1",
-                            f"kmeans-nonzero/1, excp-codes/1, {_EXCP_CODERS}", "excp-tensor/1",
-                            f"excp-tensor/1, excp-codes/1, {_EXCP_CODERS}"],
+                            f"excp-residual/1, excp-tensor/1, excp-codes/1, {_V1_CODERS}", "kmeans-nonzero/1",
+                            f"kmeans-nonzero/1, excp-codes/1, {_V1_CODERS}", "excp-tensor/1",
+                            f"excp-tensor/1, excp-codes/1, {_V1_CODERS}"],
 }
+GOLDEN_V01 = Path(__file__).resolve().parent / "data" / "golden_methods_v1"
 # descriptors that need a parent: never in a keyframe file (the sentence above the table)
 DELTA_ONLY = ["xor/1", "cyclic-delta/1", "rearrange/1", "bitmask/1", "excp-residual/1", "excp-base/1"]
 SHARED_BLOBS = {"excp": {"payload"}, "excp-fixed": {"payload", "codes"}}  # FORMAT.md 1.2
@@ -58,21 +76,24 @@ def expand(pattern: str) -> set[tuple[str, ...]]:
     return {tuple(t for t in combo if t is not None) for combo in itertools.product(*choices)}
 
 
-def doc_table() -> dict[str, list[str]]:
-    """The "Record pipelines by method" table of FORMAT.md: method -> its patterns."""
+def doc_table(heading: str = "Record pipelines by method", column: int = 1) -> dict[str, list[str]]:
+    """A table of FORMAT.md under ``### <heading>``: first column -> the backquoted items of ``column``."""
     text = DOC.read_text(encoding="utf-8")
-    section = text.split("### Record pipelines by method", 1)[1].split("\n### ", 1)[0]
+    section = text.split(f"### {heading}", 1)[1].split("\n### ", 1)[0]
     out = {}
     for line in section.splitlines():
-        m = re.match(r"\| `([a-z0-9-]+)` \| (.*) \|$", line)
+        cells = re.split(r"(?<!\\)\|", line)[1:-1]
+        m = re.fullmatch(r" `([a-z0-9/-]+)` ", cells[0]) if len(cells) > column else None
         if m:
-            out[m.group(1)] = [p.replace("\\|", "|") for p in re.findall(r"`((?:[^`\\]|\\.)+)`", m.group(2))]
+            out[m.group(1)] = [p.replace("\\|", "|") for p in re.findall(r"`((?:[^`\\]|\\.)+)`", cells[column])]
     return out
 
 
 def expected_parts(record: dict) -> set[str]:
     """The blob parts FORMAT.md gives a record (M.1, M.2, M.6-M.7, bitsnap, excp)."""
     pipe, meta = record["pipeline"], record["meta"]
+    if pipe[-1] == "span/1" or pipe[0] == "joint/1":
+        return set()  # bytes in the shared payload
     if pipe[0] in ("exact/1", "lossless/1"):
         return {"data"}
     if pipe[0] in QUANTIZED:
@@ -109,7 +130,39 @@ def test_table_in_doc_matches_this_copy():
 
 
 def test_every_available_method_is_documented():
-    assert set(ckptzip.available_methods()) == set(DOCUMENTED)
+    assert set(ckptzip.available_methods()) == set(DOCUMENTED) == set(DOCUMENTED_V01)
+
+
+def test_v01_table_in_doc_matches_this_copy():
+    assert doc_table("Pipelines of files written by ckptzip 0.1") == DOCUMENTED_V01
+
+
+def test_registry_table_in_doc_matches_the_registry():
+    """Every descriptor is defined once in codec/stages.py and listed in FORMAT.md, legacy ones as such."""
+    doc = doc_table("Stage registry")
+    assert set(doc) == set(S.STAGES)
+    for d, stage in S.STAGES.items():
+        assert doc[d] == [f"{m}" for m in stage.legacy_in], d  # "all" has no backquoted method
+    written = {d for ps in DOCUMENTED.values() for p in ps for pipe in expand(p) for d in pipe}
+    assert written == {d for d, s in S.STAGES.items() if not s.legacy_in}  # each current stage is written
+    read_v01 = {d for ps in DOCUMENTED_V01.values() for p in ps for pipe in expand(p) for d in pipe}
+    assert {d for d, s in S.STAGES.items() if s.legacy_in} <= read_v01
+
+
+@pytest.mark.parametrize("method", sorted(DOCUMENTED_V01))
+def test_v01_golden_files_match_the_v01_table(method):
+    """The golden files ckptzip 0.1 wrote (tests/test_golden_methods.py) hold only 0.1's documented pipelines."""
+    allowed = set().union(*(expand(p) for p in DOCUMENTED_V01[method]))
+    seen = set()
+    for chain in GOLDEN_V01.iterdir():
+        for f in sorted(chain.glob("*.ckz")):
+            m = decode_container(f.read_bytes(), name=str(f)).manifest
+            if m["method"] != f"{method}/1":
+                continue
+            for name, r in m["records"].items():
+                assert tuple(r["pipeline"]) in allowed, f"{f}: {name}: {r['pipeline']}"
+                seen.add(tuple(r["pipeline"]))
+    assert seen, f"no golden 0.1 file of {method}"
 
 
 def test_expand():

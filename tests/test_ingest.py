@@ -1,4 +1,4 @@
-"""Ingest: torch.save files and Trainer folders -> normalised states -> the same files again."""
+"""Ingest: torch.save files and Trainer folders -> normalised states -> the same files again; bad input."""
 from __future__ import annotations
 
 import collections
@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from ckptzip import ingest
-from ckptzip.errors import ConfigError, CorruptCheckpointError, UnsafeInputError
+from ckptzip.errors import ConfigError, CorruptCheckpointError, FormatVersionError, UnsafeInputError
+from ckptzip.ingest import torchfile
 from ckptzip.state import flatten_state, unflatten_state
 from helpers import assert_same
 
@@ -99,7 +100,7 @@ def test_torch_file_roundtrip_keeps_structure(tmp_path, trained, shape):
         assert dict(m._metadata) == {k: dict(v) for k, v in sd._metadata.items()}
     expected_step = {"plain": snap.step, "lightning": snap.step, "nested_extra": snap.step, "bare": 7, "ordered": 7}
     assert src.step == expected_step[shape]
-    assert lay["format"] == ingest.TORCH_LAYOUT
+    assert lay["format"] == src.layout == ingest.TORCH_LAYOUT
 
 
 def test_step_sources_and_order(tmp_path, trained):
@@ -143,7 +144,7 @@ def test_trainer_folder_roundtrip_byte_identical(tmp_path, trained, shards):
     _, snap = trained
     src_dir = make_trainer_folder(tmp_path / "run", snap.model, snap.optimizer, 30, shards=shards)
     (src,) = ingest.find_sources([tmp_path / "run"])  # a folder of checkpoint-* folders
-    assert (src.path, src.step, src.step_from) == (src_dir, 30, "entry:global_step")
+    assert (src.path, src.layout, src.step, src.step_from) == (src_dir, ingest.TRAINER_LAYOUT, 30, "entry:global_step")
     state = ingest.load_source(src)
     files = state["extra"]["files"]
     assert isinstance(files["config.json"], bytes)                      # small: inline bytes
@@ -172,7 +173,7 @@ def test_trainer_step_from_state_not_name(tmp_path, trained):
     _, snap = trained
     make_trainer_folder(tmp_path, snap.model, snap.optimizer, 7, name="ckpt-a")
     (src,) = ingest.find_sources([tmp_path / "ckpt-a"])
-    assert src.step == 7 and src.kind == "trainer"
+    assert src.step == 7 and src.layout == ingest.TRAINER_LAYOUT
 
 
 # --- outputs -------------------------------------------------------------------------------
@@ -191,8 +192,81 @@ def test_check_output(tmp_path):
 
 
 def test_folder_output_needs_trainer_layout(tmp_path):
-    state, _ = ingest._normalise({"model": {"w": torch.ones(2)}}, "x.pt")
+    state = torchfile.normalise({"model": {"w": torch.ones(2)}}, "x.pt")
     with pytest.raises(ConfigError, match="not ingested from a Trainer folder"):
         ingest.write_restored(state, tmp_path / "outdir")
     with pytest.raises(ConfigError, match="no model state dict"):
         ingest.model_weights({"optimizer": {"state": {}, "param_groups": []}})
+
+
+# --- bad input: one line naming the file and the fix, the source untouched -----------------------
+
+def _snapshot(root):
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _fails(paths, err, words, root):
+    before = _snapshot(root)
+    with pytest.raises(err) as e:
+        ingest.find_sources(paths)
+    msg = str(e.value)
+    assert "\n" not in msg and words in msg and any(p.name in msg for p in paths), msg
+    assert _snapshot(root) == before  # nothing written, nothing changed
+
+
+def test_corrupt_truncated_and_foreign_files(tmp_path, trained):
+    _, snap = trained
+    good = tmp_path / "good_5.pt"
+    torch.save({"model": snap.model, "optimizer": snap.optimizer}, good)
+    data = good.read_bytes()
+    tensor_at = data.index(snap.model["fc1.weight"].numpy().tobytes()[:64])
+    bad = {"trunc_1.pt": data[: len(data) // 2], "tail_1.pt": data[:-30], "empty_1.pt": b"",
+           "npy_1.pt": b"\x93NUMPY\x01\x00" + b"x" * 100,
+           "flip_1.pt": data[:tensor_at] + bytes([data[tensor_at] ^ 1]) + data[tensor_at + 1:]}
+    for name, b in bad.items():
+        (tmp_path / name).write_bytes(b)
+        words = "fails its CRC" if name.startswith("flip") else "not a checkpoint"
+        _fails([tmp_path / name], CorruptCheckpointError, words, tmp_path)
+    _fails([good, tmp_path / "trunc_1.pt"], CorruptCheckpointError, "truncated", tmp_path)  # one bad of two
+
+
+def test_damaged_trainer_folders(tmp_path, trained):
+    _, snap = trained
+    d = make_trainer_folder(tmp_path, snap.model, snap.optimizer, 30, shards=True)
+    shard = d / "model-00002-of-00002.safetensors"
+    full = shard.read_bytes()
+    shard.write_bytes(full[:100])
+    _fails([d], CorruptCheckpointError, "not a readable safetensors file", tmp_path)
+    shard.write_bytes(full)
+    save_file({k: snap.model[k].contiguous() for k in list(snap.model)[:1]}, str(d / "model-00001-of-00002.safetensors"))
+    save_file({k: snap.model[k].contiguous() for k in snap.model}, str(shard))
+    _fails([d], CorruptCheckpointError, "is in two weight files", tmp_path)
+    save_file({k: snap.model[k].contiguous() for k in list(snap.model)[1:]}, str(shard))
+    (d / "trainer_state.json").write_text('{"global_step": 3')
+    _fails([d], CorruptCheckpointError, "not valid JSON", tmp_path)
+    (d / "trainer_state.json").write_text('{"global_step": 30}')
+    torch.save({"state": {}, "param_groups": [], "args": CustomArgs()}, d / "optimizer.pt")
+    _fails([d], UnsafeInputError, "needs arbitrary code to load", tmp_path)
+
+
+def test_unknown_layout_version_and_failed_write_keep_outputs(tmp_path):
+    state = torchfile.normalise({"model": {"w": torch.ones(2)}, "step": 1}, "x.pt")
+    state[ingest.LAYOUT_KEY]["format"] = "torch-file/9"  # written by a newer ckptzip
+    with pytest.raises(FormatVersionError, match="torch-file/9.*upgrade ckptzip"):
+        ingest.write_restored(state, tmp_path / "x.pt")
+    assert list(tmp_path.iterdir()) == []
+    out = tmp_path / "w.safetensors"
+    out.write_bytes(b"previous")
+    with pytest.raises(ConfigError, match="not a tensor"):  # fails inside the write: out must survive
+        ingest.write_restored({"model": {"w": torch.ones(2), "n": 3}}, out, force=True)
+    assert out.read_bytes() == b"previous" and sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
+
+
+def test_compress_job_checks_before_writing(tmp_path):
+    from ckptzip.ingest.compress import plan
+
+    with pytest.raises(ConfigError, match="no checkpoints to compress"):
+        plan([], str(tmp_path / "chain"))
+    with pytest.raises(ConfigError, match="need --eval"):
+        plan([], str(tmp_path / "chain"), threshold=0.01)
+    assert list(tmp_path.iterdir()) == []

@@ -32,7 +32,7 @@ def loader():
 
 def trainer(tmp_path, max_steps, io):
     ckpt = L.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=5, save_top_k=-1)
-    return L.Trainer(max_steps=max_steps, plugins=[io], callbacks=[ckpt, SensitivityCallback(window=3)],
+    return L.Trainer(max_steps=max_steps, plugins=[io] if io else [], callbacks=[ckpt, SensitivityCallback(window=3)],
                      logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
                      devices=1)
 
@@ -40,8 +40,12 @@ def trainer(tmp_path, max_steps, io):
 def test_lightning_saves_into_chain_and_resumes(tmp_path):
     torch.manual_seed(0)
     model = LitDigits()
-    t = trainer(tmp_path, 20, CompressedCheckpointIO("lossless"))
+    plugin = CompressedCheckpointIO("lossless")
+    t = trainer(tmp_path, 20, plugin)
     t.fit(model, loader())
+    # the save interval is learned from the saves (no private Lightning attribute): the last save had
+    # gradient EMAs recorded in its window
+    assert plugin.gradients is not None and set(plugin.gradients) <= set(dict(model.named_parameters()))
     chain = CheckpointChain(tmp_path / "ckpts" / CHAIN_DIR)
     assert chain.steps() == [5, 10, 15, 20]
     assert chain.verify() == []
@@ -71,6 +75,17 @@ def test_lightning_saves_into_chain_and_resumes(tmp_path):
     assert t2.global_step == 20
     for k, v in model.state_dict().items():
         assert torch.equal(resumed.state_dict()[k], v), k
+
+    # `ckptzip restore` writes a .ckpt that plain Lightning (no plugin) resumes from
+    from ckptzip.ingest import write_restored
+
+    write_restored(chain.load(10), tmp_path / "plain.ckpt")
+    torch.manual_seed(7)
+    plain = LitDigits()
+    t3 = trainer(tmp_path / "third", 20, None)
+    t3.fit(plain, loader(), ckpt_path=str(tmp_path / "plain.ckpt"))
+    for k, v in model.state_dict().items():
+        assert torch.equal(plain.state_dict()[k], v), k
 
 
 def test_load_rejects_foreign_pointer(tmp_path):

@@ -51,7 +51,7 @@ def test_baseline_config_search_meets_the_threshold(tmp_path, digits_snapshots, 
     torch.set_num_threads(1)
     model, opt, snaps, ev = digits_snapshots
     live = copy.deepcopy(model)
-    space = get_method(method).config.space()
+    space = get_method(method).space()
     cube = ConfigCube(space, embedding=False)
     ch = CheckpointChain(tmp_path, method)
     entries = []
@@ -90,7 +90,7 @@ def test_baseline_search_finds_the_best_config_of_the_whole_table(digits_snapsho
     flat = flatten_state({"model": s.model}, live)
     ctx = EncodeContext(step=s.step, model=live, eval_fn=ev, threshold=0.01)
     knobs, info, st = search_config(m, flat, None, ctx, None)
-    cube = ConfigCube(m.config.space(), embedding=False)
+    cube = ConfigCube(m.space(), embedding=False)
     runner = TrialRunner(m, flat, None, ctx)
     try:
         trials = [runner.trial(c) for c in dict.fromkeys(cube.candidate(p) for p in cube.points())]
@@ -107,7 +107,7 @@ def test_baseline_search_finds_the_best_config_of_the_whole_table(digits_snapsho
 
 def test_search_spaces_validate_and_canonicalize():
     with pytest.raises(ConfigError, match="QDConfig|QDSpace.*no field"):
-        get_method("qd", search_space={"bins": [8]})
+        get_method("qd", search={"space": {"bins": [8]}})
     with pytest.raises(ConfigError, match="range_ratio"):
         CNRSpace(range_ratio=(0.1, 1.5))
     with pytest.raises(ConfigError, match="exceeds"):
@@ -122,5 +122,5 @@ def test_search_spaces_validate_and_canonicalize():
     assert ConfigCube(GoboSpace(), embedding=False).shape == (6, 1, 1)
     assert ConfigCube(GoboSpace(outlier_log_prob=(-2.0, -6.0))).axes[2] == (-6.0, -2.0)
     # a user space narrows the search; a method config keeps it as a plain dict for the manifest
-    m = get_method("cnr", search_space={"n_bins": [16, 32], "n_step_bins": [50]})
-    assert ConfigCube(m.config.space()).shape == (2, 1, 5)
+    m = get_method("cnr", search={"space": {"bins": [16, 32], "step_bins": [50]}})
+    assert ConfigCube(m.space()).shape == (2, 1, 5)

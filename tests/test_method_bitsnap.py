@@ -172,7 +172,7 @@ def test_payload_codecs_round_trip(tmp_path, digits_snapshots, codec):
     saved = save_all(chain, snaps[5:9], bf16=True)
     man = chain.restore(max(saved)).manifest
     pipes = {tuple(r["pipeline"]) for r in man["records"].values() if r["role"] == "weight"}
-    assert pipes <= {("bitsnap/1", "bitmask/1", "zstd/1"), ("bitsnap/1", "bitmask/1")}
+    assert pipes <= {("bitsnap/1", "bitmask/1", "zstd-frame/1"), ("bitsnap/1", "bitmask/1")}
     if codec == "none":
         assert pipes == {("bitsnap/1", "bitmask/1")}
     check_restores(chain, saved, lossless=True)
@@ -220,17 +220,17 @@ def test_direct_encode_decode_and_wrong_base(digits_snapshots):
     enc1, ref1 = m.encode(flats[1], ref0, ctx=EncodeContext(step=2))
     enc2, ref2 = m.encode(flats[2], ref1, ctx=EncodeContext(step=3))
     assert enc0.keyframe and not enc1.keyframe and enc2.keyframe  # one delta, then a new base
-    assert ref1.step == 1 and ref1.data["base"] is ref0.data["base"] and ref2.step == 3
+    assert ref1.step == 1 and ref1.base is ref0.base and ref2.step == 3
     # the reference holds CPU copies of the base model states only, not aliases of the input
-    assert set(ref0.data["base"]) == {n for n, r in flats[0].records.items() if is_model_state(r)}
-    assert all(t.data_ptr() != flats[0].tensors[n].data_ptr() for n, t in ref0.data["base"].items())
+    assert set(ref0.base) == {n for n, r in flats[0].records.items() if is_model_state(r)}
+    assert all(t.data_ptr() != flats[0].tensors[n].data_ptr() for n, t in ref0.base.items())
     out0, dref0 = m.decode(flats[0].records, enc0, None, ctx=DecodeContext(step=1))
     out1, dref1 = m.decode(flats[1].records, enc1, dref0, ctx=DecodeContext(step=2))
-    assert dref1.step == 1 and dref1.data["count"] == 1
+    assert dref1.step == 1 and dref1.count == 1
     for n, r in flats[1].records.items():
         if is_model_state(r):
             assert_bit_exact(out1[n], flats[1].tensors[n], n)
-    wrong = type(dref0)(7, dref0.data)
+    wrong = type(dref0)(7, dref0.base, dref0.count)
     with pytest.raises(CorruptCheckpointError, match="needs base step 1"):
         m.decode(flats[1].records, enc1, wrong, ctx=DecodeContext(step=2))
     with pytest.raises(CorruptCheckpointError, match="needs base step 1"):

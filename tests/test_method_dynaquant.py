@@ -6,7 +6,6 @@ import torch
 
 from ckptzip import CheckpointChain, KeyframePolicy
 from ckptzip.codec.entropy import read_codes_header
-from ckptzip.methods.dynaquant import quantize_weights
 from ckptzip.quant.dynaquant import adam_direction_error
 from ckptzip.state import flatten_state
 
@@ -55,10 +54,10 @@ def test_decoded_codes_equal_written_codes(chain_and_run):
     ch, entries, model, opt, snaps, ev = chain_and_run
     # the codes the writer produced for the last checkpoint == the codes the reader rebuilds by replay
     flat = flatten_state(states(snaps)[-1][1], model, opt)
-    written = quantize_weights(flat, ch.method.config.quantizer())
+    written = ch.method.search_quantize(flat, {})
     (_, _), ref = ch._replay(snaps[-1].step, ch.entries())
     for name, q in written.items():
-        assert torch.equal(ref.data[name][0].long(), q.codes), name
+        assert torch.equal(ref.weights[name].codes.long(), q.codes.long()), name
 
 
 def test_delta_records_and_resumed_writer(chain_and_run, tmp_path):
@@ -134,7 +133,7 @@ def test_restarted_writer_resumes_the_search(tmp_path, digits_snapshots):
 
 def test_paper_encoder_is_selectable(tmp_path, digits_snapshots):
     model, opt, snaps, ev = digits_snapshots
-    ch = CheckpointChain(tmp_path, "dynaquant", {"coder": "huffman"})
+    ch = CheckpointChain(tmp_path, "dynaquant", {"codes": {"coder": "huffman"}})
     for s in snaps[:2]:
         e = ch.save({"model": s.model, "optimizer": s.optimizer}, s.step, model=model, optimizer=opt)
     from ckptzip.format import decode_container

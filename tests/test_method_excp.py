@@ -15,7 +15,8 @@ import torch
 from ckptzip.chain import CheckpointChain
 from ckptzip.errors import ConfigError, CorruptCheckpointError
 from ckptzip.methods.base import DecodeContext, EncodeContext, get_method
-from ckptzip.methods.excp import ExcpFixedConfig, adam_parameters
+from ckptzip.methods.excp_fixed import ExcpFixedConfig
+from ckptzip.methods.excp_records import adam_parameters
 from ckptzip.quant.excp import EXCP_FAITHFUL, decode_tensor, encode_tensor
 from ckptzip.state import flatten_state
 
@@ -110,9 +111,9 @@ def test_encoder_reference_equals_decoder_reference(digits_snapshots, name, conf
         flat = flatten_state(st, model, opt)
         enc, ref_e = enc_m.encode(flat, ref_e, ctx=EncodeContext(step=step))
         out, ref_d = dec_m.decode(flat.records, enc, ref_d, ctx=DecodeContext(step=step))
-        assert set(ref_e.data["w"]) == set(ref_d.data["w"]) == {f"model/{p}" for p in PARAMS}
-        for n, w in ref_e.data["w"].items():
-            assert torch.equal(w, ref_d.data["w"][n]) and torch.equal(out[n], w), (step, n)
+        assert set(ref_e.weights) == set(ref_d.weights) == {f"model/{p}" for p in PARAMS}
+        for n, w in ref_e.weights.items():
+            assert torch.equal(w, ref_d.weights[n]) and torch.equal(out[n], w), (step, n)
         assert all(not r["blobs"] for r in enc.records.values()) or name == "excp-fixed"
     if name == "excp":
         assert set(enc.blobs) == {"payload"}  # one LZMA payload, records only point into it
@@ -159,7 +160,7 @@ def test_state_without_adam_state_is_exact(tmp_path, digits_snapshots, name):
     entries = save_all(chain, items, model2, opt2)
     flat = flatten_state(items[0][1], model2, opt2)
     assert flat.records["model/frozen"].role == "weight" and flat.records["model/running"].role == "buffer"
-    assert "model/frozen" not in adam_parameters(flat.records) and len(adam_parameters(flat.records)) == len(PARAMS)
+    assert "model/frozen" not in adam_parameters(flat) and len(adam_parameters(flat)) == len(PARAMS)
     for (step, st), e in zip(items, entries):
         got = chain.load(step)
         for k in ("frozen", "running", "counter"):

@@ -136,16 +136,16 @@ def _greedy_reference(row: np.ndarray, n_bins: int, n_step_bins: int, n_steps: i
 
 def test_adaptive_greedy_matches_scalar_reference_per_row(real):
     x = real["fc2.weight"]  # (128, 128): 128 independent greedy paths in one batched search
-    cfg = AdaptiveConfig(n_bins=8, n_step_bins=50, range_ratio=0.4)
+    cfg = AdaptiveConfig(bins=8, step_bins=50, range_ratio=0.4)
     for ev in ("direct", "sorted"):
-        _, _, steps = greedy_range(x, cfg.n_bins, cfg.n_step_bins, cfg.n_steps, evaluator=ev)
+        _, _, steps = greedy_range(x, cfg.bins, cfg.step_bins, cfg.n_steps, evaluator=ev)
         got = [(int(a), int(b)) for a, b in zip(steps[0, :, 0], steps[1, :, 0])]
-        ref = [_greedy_reference(r, cfg.n_bins, cfg.n_step_bins, cfg.n_steps) for r in x.numpy()]
+        ref = [_greedy_reference(r, cfg.bins, cfg.step_bins, cfg.n_steps) for r in x.numpy()]
         assert got == ref, ev
     assert len(set(ref)) > 5  # rows really take different paths
     per_tensor = adaptive.quantize(x, cfg)
     assert (per_tensor.meta["steps_min"], per_tensor.meta["steps_max"]) == _greedy_reference(
-        x.numpy().ravel(), cfg.n_bins, cfg.n_step_bins, cfg.n_steps)
+        x.numpy().ravel(), cfg.bins, cfg.step_bins, cfg.n_steps)
 
 
 def test_adaptive_sorted_evaluator_equals_direct(real):
@@ -185,7 +185,7 @@ def test_adaptive_clips_outside_the_range_and_row_wise_round_trips(real):
 def test_gobo_outliers_are_exact_and_follow_the_gaussian_rule(real):
     total = 0
     for name, x in real.items():
-        q = gobo.quantize(x, GoboConfig(n_bins=8))
+        q = gobo.quantize(x, GoboConfig(bins=8))
         xd = x.double().reshape(-1)
         mu, sd = xd.mean(), xd.std(unbiased=False)
         log_p = -0.5 * ((xd - mu) / sd) ** 2 - torch.log(sd) - 0.5 * math.log(2 * math.pi)
@@ -202,7 +202,7 @@ def test_gobo_outliers_are_exact_and_follow_the_gaussian_rule(real):
 def test_gobo_mse_decreases_with_k(real):
     for name in ("fc2.weight", "fc1.exp_avg"):
         x = real[name]
-        errs = [mse(x, gobo.dequantize(gobo.quantize(x, GoboConfig(n_bins=k)))) for k in (8, 16, 32, 64, 128, 256)]
+        errs = [mse(x, gobo.dequantize(gobo.quantize(x, GoboConfig(bins=k)))) for k in (8, 16, 32, 64, 128, 256)]
         assert all(b < a for a, b in zip(errs, errs[1:])), (name, errs)
 
 
@@ -234,11 +234,11 @@ def test_gobo_kmedians_matches_naive_reference_and_soft_stop(real):
         c2, it2, l1b = kmeans_l1_1d(v, k, max_iter=1000, rel_tol=1e-3)
         assert it2 <= it and l1b <= l1 * 1.01
     # every inlier sits at its nearest centre
-    q = gobo.quantize(v, GoboConfig(n_bins=16))
+    q = gobo.quantize(v, GoboConfig(bins=16))
     inl = q.codes < 16
     d = (v[inl, None] - q.codebook[None, :16]).abs()
     assert torch.all(d.gather(1, q.codes[inl, None]).squeeze(1) <= d.min(1).values + 1e-7)
-    assert gobo.quantize(v, GoboConfig(n_bins=8, n_bins_embedding=32), embedding=True).n_levels == 33
+    assert gobo.quantize(v, GoboConfig(bins=8, embedding_bins=32), embedding=True).n_levels == 33
 
 
 # --------------------------------------------------------------------------- all three
@@ -287,8 +287,8 @@ def test_degenerate_tensors(which):
 def test_validation_errors(real):
     with pytest.raises(ConfigError, match="min_bins"):
         UniformConfig(min_bins=64, max_bins=16)
-    with pytest.raises(ConfigError, match="n_bins"):
-        AdaptiveConfig(n_bins=1)
+    with pytest.raises(ConfigError, match="bins"):
+        AdaptiveConfig(bins=1)
     with pytest.raises(ConfigError, match="range_ratio"):
         AdaptiveConfig(range_ratio=1.5)
     with pytest.raises(ConfigError, match="init"):
@@ -306,10 +306,10 @@ def test_validation_errors(real):
 
 def test_search_spaces_are_the_papers_and_build_configs():
     assert uniform.SEARCH_SPACE == {"min_bins": (8, 16, 32, 64, 128, 256), "max_bins": (8, 16, 32, 64, 128, 256)}
-    assert adaptive.SEARCH_SPACE == {"n_bins": (8, 16, 32, 64, 128, 256), "n_step_bins": (10, 25, 50, 100),
+    assert adaptive.SEARCH_SPACE == {"bins": (8, 16, 32, 64, 128, 256), "step_bins": (10, 25, 50, 100),
                                      "range_ratio": (0.1, 0.2, 0.3, 0.4, 0.5)}
-    assert gobo.SEARCH_SPACE["n_bins"] == (8, 16, 32, 64, 128, 256)
-    assert gobo.SEARCH_SPACE["n_bins_embedding"] == (16, 32)
+    assert gobo.SEARCH_SPACE["bins"] == (8, 16, 32, 64, 128, 256)
+    assert gobo.SEARCH_SPACE["embedding_bins"] == (16, 32)
     assert gobo.SEARCH_SPACE["outlier_log_prob"] == (-4.0,) and gobo.SEARCH_SPACE["max_iter"] == (1000,)
     for mod, cls in ((uniform, UniformConfig), (adaptive, AdaptiveConfig), (gobo, GoboConfig)):
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -322,4 +322,4 @@ def test_search_spaces_are_the_papers_and_build_configs():
             built += isinstance(cls(**kw), cls)
         assert built > 0
     # n_steps: the range shrinks by range_ratio, exactly (0.3 * 10 is 3 moves, not 4)
-    assert [AdaptiveConfig(n_step_bins=s, range_ratio=r).n_steps for s, r in ((10, 0.3), (25, 0.3), (100, 0.5))] == [3, 8, 50]
+    assert [AdaptiveConfig(step_bins=s, range_ratio=r).n_steps for s, r in ((10, 0.3), (25, 0.3), (100, 0.5))] == [3, 8, 50]

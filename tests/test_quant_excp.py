@@ -6,28 +6,25 @@ import numpy as np
 import pytest
 import torch
 
+from ckptzip.codec import bitpack
+from ckptzip.codec.frames import xz_compress as lzma_compress
+from ckptzip.codec.frames import xz_decompress
 from ckptzip.errors import ConfigError, CorruptCheckpointError, NonFiniteError
 from ckptzip.quant.excp import (
     EXCP_FAITHFUL,
-    EXCP_FIXED,
     ExcpConfig,
     apply_residual,
     decode_tensor,
     dequantize,
     encode_tensor,
     kmeans_quantize,
-    lzma_compress,
-    lzma_decompress,
-    pack_codes,
-    pack_nibbles,
     prune,
     prune_masks,
     quantize_nonzeros,
     residual,
-    unpack_codes,
-    unpack_nibbles,
 )
 
+EXCP_FIXED = ExcpConfig(codebook_dtype="float32")  # excp-fixed's codebooks
 FP16_FLUSH = 2.0 ** -25  # fp16 rounds anything at or below this (~2.98e-8) to 0
 
 
@@ -110,25 +107,30 @@ def test_prune_rejects_bad_input():
 # ---------------------------------------------------------------------------------------------
 # packing
 # ---------------------------------------------------------------------------------------------
-def test_nibble_packing_high_nibble_first():
-    codes = torch.tensor([1, 2, 3, 15, 10], dtype=torch.uint8)
-    assert pack_nibbles(codes) == bytes([0x12, 0x3F, 0xA0])  # odd tail: low nibble 0
-    assert pack_nibbles(torch.tensor([0, 7], dtype=torch.uint8)) == b"\x07"
-    assert pack_nibbles(torch.zeros(0, dtype=torch.uint8)) == b""
-    assert unpack_nibbles(bytes([0x12, 0x3F, 0xA0]), 5).tolist() == [1, 2, 3, 15, 10]
-    assert pack_codes(torch.tensor([1, 2, 3, 0, 3]), 2) == bytes([0b01101100, 0b11000000])
-    assert pack_codes(torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1]), 1) == bytes([0b10110001, 0b10000000])
-    g = torch.Generator().manual_seed(1)
-    for bits in (1, 2, 4, 8):
-        for n in range(0, 19):
-            c = torch.randint(0, 2 ** bits, (n,), generator=g, dtype=torch.uint8)
-            buf = pack_codes(c, bits)
-            assert len(buf) == -(-n * bits // 8)
-            assert torch.equal(unpack_codes(buf, n, bits), c)
-    with pytest.raises(ValueError):
-        pack_nibbles(torch.tensor([16]))
+def test_v01_codes_were_packed_high_nibble_first():
+    # ckptzip 0.1 wrote ExCP codes FIRST element in the HIGH bits; the reader of those files remains
+    unpack = bitpack.unpack_msb_first
+    assert unpack(bytes([0x12, 0x3F, 0xA0]), 5, 4).tolist() == [1, 2, 3, 15, 10]  # odd tail: low nibble 0
+    assert unpack(b"\x07", 2, 4).tolist() == [0, 7] and unpack(b"", 0, 4).tolist() == []
+    assert unpack(bytes([0b01101100, 0b11000000]), 5, 2).tolist() == [1, 2, 3, 0, 3]
+    assert unpack(bytes([0b10110001, 0b10000000]), 9, 1).tolist() == [1, 0, 1, 1, 0, 0, 0, 1, 1]
     with pytest.raises(CorruptCheckpointError):
-        unpack_nibbles(b"\x12\x34", 5)
+        unpack(b"\x12\x34", 5, 4)
+
+
+def test_codes_are_packed_by_the_one_packer(digits_snapshots):
+    _, _, snaps, _ = digits_snapshots
+    blobs, meta = encode_tensor(*_state(snaps, 3, "fc1.weight"))
+    assert meta["format"] == "excp-tensor/2" and meta["parts"]["dw"]["mode"] == "kmeans"
+    codes = bitpack.unpack(blobs["dw.codes"], 128 * 64, 4)
+    assert blobs["dw.codes"] == bitpack.pack(codes, 4).numpy().tobytes()
+    assert codes[0] == blobs["dw.codes"][0] & 0x0F  # LSB first: element 0 in the low nibble
+    # a 0.1 record (MSB first) of the same codes decodes to the same tensors
+    n = 128 * 64
+    msb = {k: ((c[0::2] << 4) | c[1::2]).numpy().tobytes() for k, b in blobs.items() if k.endswith(".codes")
+           for c in [bitpack.unpack(b, n, 4)]}
+    old = decode_tensor({**blobs, **msb}, {**meta, "format": "excp-tensor/1"})
+    assert all(torch.equal(a, b) for a, b in zip(old, decode_tensor(blobs, meta)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +209,7 @@ def test_round_trip_real_tensors(digits_snapshots, cfg):
     for name in snaps[0].model:
         dw, m, v = _state(snaps, 7, name)
         blobs, meta = encode_tensor(dw, m, v, cfg)
-        assert meta["format"] == "excp-tensor/1" and meta["codebook_dtype"] == cfg.codebook_dtype
+        assert meta["format"] == "excp-tensor/2" and meta["codebook_dtype"] == cfg.codebook_dtype
         dw_hat, m_hat, v_hat = decode_tensor(blobs, meta)
         w_mask, m_mask = prune_masks(dw, m, v, cfg)
         for got, ref in ((dw_hat, dw), (m_hat, m), (v_hat, v)):
@@ -327,6 +329,10 @@ def test_fp16_codebook_flushes_small_second_moment_centers(digits_snapshots):
 # ---------------------------------------------------------------------------------------------
 # LZMA stage
 # ---------------------------------------------------------------------------------------------
+def lzma_decompress(blob, max_bytes=None):
+    return xz_decompress(blob, max_bytes=max_bytes)
+
+
 def test_lzma_round_trip_and_damage(digits_snapshots):
     _, _, snaps, _ = digits_snapshots
     blobs, _ = encode_tensor(*_state(snaps, 9, "fc2.weight"))

@@ -2,6 +2,7 @@
 neighbourhood / fallback strategies on a real digits run, and the chain summary they write.
 """
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,10 +11,11 @@ import torch
 from ckptzip.chain import CheckpointChain
 from ckptzip.demo.workloads import DigitsMLP, digits_data
 from ckptzip.errors import ConfigError
-from ckptzip.methods.base import EncodeContext, Reference, get_method
-from ckptzip.methods.dynaquant import quantize_weights
+from ckptzip.methods.base import EncodeContext, get_method
+from ckptzip.methods.qrecord import Codes
+from ckptzip.methods.quantizing import QuantizedReference
 from ckptzip.quant.dynaquant import dequantize
-from ckptzip.search import QualityJudge, SearchSpace, search_config
+from ckptzip.search import DynaQuantSpace, QualityJudge, search_config
 from ckptzip.search.cube import ConfigCube, MonotoneOracle, guided_search, leq, speculate
 from ckptzip.state import flatten_state
 
@@ -21,16 +23,16 @@ from ckptzip.state import flatten_state
 # ----------------------------------------------------------------------------- cube (pure logic)
 def test_space_validation_and_axis_order():
     with pytest.raises(ConfigError, match="bins"):
-        SearchSpace(bins=())
-    with pytest.raises(ConfigError, match="prune_fractions"):
-        SearchSpace(prune_fractions=(0.0, 1.2))
-    with pytest.raises(ConfigError, match="prune_metrics"):
-        SearchSpace(prune_metrics=("hessian",))
+        DynaQuantSpace(bins=())
+    with pytest.raises(ConfigError, match="prune_fraction"):
+        DynaQuantSpace(prune_fraction=(0.0, 1.2))
+    with pytest.raises(ConfigError, match="prune_metric"):
+        DynaQuantSpace(prune_metric=("hessian",))
     with pytest.raises(ConfigError, match="< 1"):
-        SearchSpace(prune_fractions=(0.9,), protect_fractions=(0.2,))
+        DynaQuantSpace(prune_fraction=(0.9,), protect_fraction=(0.2,))
     with pytest.raises(ConfigError, match="no field"):
-        SearchSpace.from_any({"bin": [4]})
-    cube = ConfigCube(SearchSpace.from_any({"bins": [16, 4, 8], "prune_fractions": [0.0, 0.3]}))
+        DynaQuantSpace.from_any({"bin": [4]})
+    cube = ConfigCube(DynaQuantSpace.from_any({"bins": [16, 4, 8], "prune_fraction": [0.0, 0.3]}))
     # index 0 = most aggressive on every axis
     assert cube.axes[0] == (4, 8, 16) and cube.axes[1] == (0.3, 0.0) and cube.axes[2] == (0.0005, 0.005, 0.01)
     assert len(ConfigCube()) == 6 * 6 * 3 * 2 and ConfigCube(embedding=False).shape == (6, 6, 3, 1)
@@ -132,13 +134,17 @@ def _live(snap):
     return m
 
 
+def _quantize(flat, qcfg, grads=None):
+    return get_method("dynaquant", {"quantizer": qcfg}).search_quantize(flat, {}, grads)
+
+
 def _measure(snap, flat, qcfg, grads, eval_fn, higher_is_better=False):
     """Independent re-measurement: a fresh model, the dequantized weights, the user's eval_fn."""
     ref = _live(snap)
     base = eval_fn(ref)
     m = _live(snap)
     sd = dict(snap.model)
-    for name, q in quantize_weights(flat, qcfg, grads).items():
+    for name, q in _quantize(flat, qcfg, grads).items():
         sd[name.split("/", 1)[1]] = dequantize(q)
     m.load_state_dict(sd)
     s = eval_fn(m)
@@ -185,7 +191,7 @@ def test_exhaustive_search_is_feasible_and_cheap(run):
     method = get_method("dynaquant")
     ctx = EncodeContext(step=snap.step, model=live, eval_fn=eval_fn, threshold=0.01, gradients=snap.grads)
     knobs, info, st = search_config(method, flat, None, ctx, None)
-    qcfg = method.config.quantizer(**knobs)
+    qcfg = replace(method.config.quantizer, **knobs)
     assert info["search"] == "exhaustive" and not info["infeasible"]
     assert info["cube_size"] == 108 * 2  # no embedding layer: 6x6x3 per metric, both metrics
     assert info["evals"] <= info["cube_size"] // 3, info
@@ -197,21 +203,21 @@ def test_exhaustive_search_is_feasible_and_cheap(run):
 def test_steady_state_uses_few_evaluations(run):
     snaps, eval_fn = run
     live = _live(snaps[-1])
-    method = get_method("dynaquant", search_policy="monotone")
+    method = get_method("dynaquant", search={"policy": "monotone"})
     st, ref, kinds = None, None, []
     for snap in snaps[4:9]:
         flat = _flat(snap, live)
         ctx = EncodeContext(step=snap.step, model=live, eval_fn=eval_fn, threshold=0.02, gradients=snap.grads)
         knobs, info, st = search_config(method, flat, ref, ctx, st)
-        qcfg = method.config.quantizer(**knobs)
+        qcfg = replace(method.config.quantizer, **knobs)
         kinds.append(info["search"])
         if info["search"] == "neighbourhood":
             # previous best with both metrics, then at most its 3 more conservative neighbours
             assert info["evals"] <= 2 + info["neighbours"], info
         if not info["infeasible"]:
             assert _measure(snap, flat, qcfg, snap.grads, eval_fn) <= 0.02
-        ref = Reference(snap.step, {n: (q.codes, q.n_levels)
-                                    for n, q in quantize_weights(flat, qcfg, snap.grads).items()})
+        ref = QuantizedReference(snap.step, {n: Codes(q.codes, q.n_levels)
+                                    for n, q in _quantize(flat, qcfg, snap.grads).items()})
     assert kinds[0] == "exhaustive"
     assert kinds.count("neighbourhood") >= 3, kinds
 
@@ -230,7 +236,7 @@ def test_higher_is_better_accuracy(run):
     ctx = EncodeContext(step=snap.step, model=live, eval_fn=accuracy, threshold=0.01, higher_is_better=True)
     method = get_method("dynaquant")
     knobs, info, _ = search_config(method, flat, None, ctx, None)
-    qcfg = method.config.quantizer(**knobs)
+    qcfg = replace(method.config.quantizer, **knobs)
     assert info["higher_is_better"] and info["baseline"] == pytest.approx(accuracy(live), abs=0)
     assert info["degradation"] <= 0.01
     assert _measure(snap, flat, qcfg, None, accuracy, higher_is_better=True) <= 0.01
@@ -258,7 +264,7 @@ def test_output_fidelity_bounds_the_relative_output_error(run):
         assert info["judge"] == "outputs" and info["baseline"] == 0.0 and not info["infeasible"]
         m = _live(snap)
         sd = dict(snap.model)
-        for name, q in quantize_weights(flat, method.config.quantizer(**knobs), snap.grads).items():
+        for name, q in _quantize(flat, replace(method.config.quantizer, **knobs), snap.grads).items():
             sd[name.split("/", 1)[1]] = dequantize(q)
         m.load_state_dict(sd)
         err = float((logits(m) - logits(live)).norm() / logits(live).norm())
@@ -292,7 +298,7 @@ def test_nothing_feasible_picks_the_least_aggressive_config(run):
 
     ctx = EncodeContext(step=snap.step, model=live, eval_fn=distance, threshold=0.0)
     knobs, info, st = search_config(get_method("dynaquant"), _flat(snap, live), None, ctx, None)
-    qcfg = get_method("dynaquant").config.quantizer(**knobs)
+    qcfg = replace(get_method("dynaquant").config.quantizer, **knobs)
     assert info["infeasible"] and info["baseline"] == 0.0 and info["degradation"] > 0
     assert (qcfg.bins, qcfg.prune_fraction, qcfg.protect_fraction) == (32, 0.0, 0.01)
 

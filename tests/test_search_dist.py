@@ -22,7 +22,9 @@ def _free_port() -> int:
 def _search_run(data, group):
     """The searches of a short run (exhaustive, then steady state), as comparable records."""
     from ckptzip.demo.workloads import DigitsMLP
-    from ckptzip.methods.base import EncodeContext, Reference, get_method
+    from ckptzip.methods.base import EncodeContext, get_method
+    from ckptzip.methods.qrecord import Codes
+    from ckptzip.methods.quantizing import QuantizedReference
     from ckptzip.search import search_config
     from ckptzip.state import flatten_state
 
@@ -42,8 +44,8 @@ def _search_run(data, group):
         knobs, info, st = search_config(method, flat, ref, ctx, st, group=group)
         out.append({"config": st["best"], **{k: info[k] for k in ("search", "degradation", "score", "baseline",
                                                                   "est_ratio", "infeasible", "evals", "rounds")}})
-        ref = Reference(s["step"], {n: (q.codes, q.n_levels) for n, q in
-                                    method.search_quantize(flat, knobs, s["grads"]).items()})
+        ref = QuantizedReference(s["step"], {n: Codes(q.codes, q.n_levels) for n, q in
+                                             method.search_quantize(flat, knobs, s["grads"]).items()})
     return out
 
 

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .codec.stages import check_pipeline
 from .errors import CkptzipError, CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError
 from .format import decode_container, encode_container, sha256
-from .methods.base import DecodeContext, EncodeContext, Encoded, Method, Reference, get_method, method_class
+from .methods.base import DecodeContext, EncodeContext, Encoded, Method, Reference, get_method, method_for_file
 from .state import FlatState, TensorRecord, flatten_state, skeleton_refs, unflatten_state
 
 INDEX = "index.json"
@@ -205,7 +206,8 @@ class CheckpointChain:
         return {
             "step": step, "parent_step": parent, "keyframe": enc.keyframe,
             "method": self.method.descriptor, "config": self.method.config_dict(),
-            "method_meta": enc.meta, "skeleton": flat.skeleton, "extra": flat.extra,
+            "method_meta": enc.meta, "skeleton": flat.skeleton if enc.skeleton is None else enc.skeleton,
+            "extra": flat.extra,
             "records": records,
             "raw_bytes": sum(t.numel() * t.element_size() for t in flat.tensors.values()),
         }
@@ -264,7 +266,7 @@ class CheckpointChain:
             self.method.resume(manifest.get("method_meta", {}))
             # load_state_dict keeps the tensors it is given and training mutates them in place:
             # hand out copies of anything the writer's reference still holds
-            held = _tensor_ids(ref.data)
+            held = {id(t) for t in ref.tensors()}
             flat.tensors = {n: t.clone() if id(t) in held else t for n, t in flat.tensors.items()}
         state = unflatten_state(flat.skeleton, flat.tensors)
         return Restored(target, state, flat, manifest)
@@ -303,11 +305,13 @@ class CheckpointChain:
                 raise CorruptCheckpointError(f"{self.storage.path(e.file)}: holds step {m.get('step')}, index says {s}")
             key = m["method"] + json.dumps(m.get("config", {}), sort_keys=True)
             if key not in methods:
-                methods[key] = method_class(m["method"])(m.get("config") or None)
+                methods[key] = method_for_file(m["method"], m.get("config"))
             records = {n: TensorRecord.from_dict(n, r) for n, r in m["records"].items()}
             enc = Encoded(records={n: {"pipeline": r["pipeline"], "meta": r.get("meta", {}), "blobs": r["blobs"]}
                                    for n, r in m["records"].items()},
                           blobs=c.blobs, meta=m.get("method_meta", {}), keyframe=m["keyframe"])
+            for n, r in enc.records.items():  # every stage known before the method reads a byte
+                check_pipeline(r["pipeline"], record=n, method=m["method"].partition("/")[0])
             tensors, ref = methods[key].decode(records, enc, ref, ctx=DecodeContext(step=s, device=device))
             if set(skeleton_refs(m["skeleton"])) - set(tensors):
                 raise CorruptCheckpointError(f"{self.storage.path(e.file)}: skeleton names tensors the file lacks")
@@ -391,7 +395,7 @@ class CheckpointChain:
 
     def reference_tensors(self) -> list[torch.Tensor]:
         """The tensors the writer's in-memory reference holds (empty when it has none)."""
-        return list(_walk_tensors(self._ref.data)) if self._ref is not None else []
+        return list(self._ref.tensors()) if self._ref is not None else []
 
     def orphans(self) -> list[str]:
         """Files in the chain's folder that no committed entry names (leftovers of crashed saves)."""
@@ -413,24 +417,6 @@ class CheckpointChain:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _walk_tensors(obj):
-    """Every tensor in nested dicts / lists / tuples and plain objects' attributes (a reference's data)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _walk_tensors(v)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            yield from _walk_tensors(v)
-    elif hasattr(obj, "__dict__"):
-        yield from (v for v in vars(obj).values() if isinstance(v, torch.Tensor))
-
-
-def _tensor_ids(obj) -> set[int]:
-    return {id(t) for t in _walk_tensors(obj)}
 
 
 def _dumps(obj) -> str:
@@ -455,3 +441,17 @@ def _bytes_by_role(flat: FlatState, enc: Encoded) -> dict:
     if shared:
         out.setdefault("shared", [0, 0])[1] += shared
     return out
+
+
+def open_chain(url, *, read_index: bool = True, storage_options: dict | None = None) -> CheckpointChain:
+    """An existing, committed chain to read, or a one-line error saying what ``url`` is instead."""
+    chain = CheckpointChain(url, storage_options=storage_options)
+    st = chain.storage
+    if not st.fs.exists(st.root):
+        raise FileNotFoundError(f"{url}: no such chain; check the path (create one with `ckptzip compress`)")
+    if not st.exists(INDEX):
+        raise IncompleteCheckpointError(f"{url}: not a ckptzip chain (no index.json); pass a folder written by "
+                                        "`ckptzip compress` or CheckpointChain")
+    if read_index:
+        chain.entries(refresh=True)  # a corrupt index raises CorruptCheckpointError here
+    return chain

@@ -29,6 +29,10 @@ class FormatVersionError(CkptzipError, ValueError):
     """The file was written by a newer format version than this reader knows."""
 
 
+class UnknownStageError(FormatVersionError):
+    """A record's pipeline names a stage descriptor (or a version of it) this reader does not know."""
+
+
 class UnsafeInputError(CkptzipError, ValueError):
     """Input that would need arbitrary code to load (a pickle with custom classes)."""
 

@@ -21,8 +21,7 @@ import json
 import struct
 from dataclasses import dataclass
 
-import zstandard
-
+from .codec.frames import zstd_compress, zstd_decompress
 from .errors import CorruptCheckpointError, FormatVersionError
 
 FORMAT_VERSION = 1
@@ -67,7 +66,7 @@ def encode_container(manifest: dict, blobs: dict[str, bytes]) -> bytes:
     # order (state_dict order, which param-link inference relies on); the reader uses the string verbatim
     mstr = json.dumps(manifest, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     if len(mstr) > _PACK_ABOVE:
-        mstr = _PACKED + base64.b64encode(zstandard.ZstdCompressor(level=9).compress(mstr.encode())).decode()
+        mstr = _PACKED + base64.b64encode(zstd_compress(mstr.encode(), 9)).decode()
     header = _header_bytes(mstr, [(k, len(blobs[k])) for k in keys])
     return b"".join([struct.pack("<Q", len(header)), header, *(blobs[k] for k in keys)])
 
@@ -105,7 +104,7 @@ def decode_container(data: bytes | memoryview, *, name: str = "checkpoint", veri
         raise bad("manifest checksum mismatch")
     try:
         manifest = unpack_manifest(mstr)
-    except (json.JSONDecodeError, RecursionError, ValueError, zstandard.ZstdError, UnicodeDecodeError):
+    except (json.JSONDecodeError, RecursionError, ValueError, UnicodeDecodeError):  # CorruptCheckpointError too
         raise bad("manifest is not valid JSON (plain or zstd+b64)") from None
     bl = manifest.get("blobs") if isinstance(manifest, dict) else None
     if not isinstance(bl, dict):
@@ -134,8 +133,8 @@ def decode_container(data: bytes | memoryview, *, name: str = "checkpoint", veri
 def unpack_manifest(stored: str):
     """The manifest object from the ``ckptzip.manifest`` metadata string (plain or ``zstd+b64:``)."""
     if stored.startswith(_PACKED):
-        stored = zstandard.ZstdDecompressor().decompress(base64.b64decode(stored[len(_PACKED):], validate=True),
-                                                         max_output_size=_MAX_HEADER)
+        stored = zstd_decompress(base64.b64decode(stored[len(_PACKED):], validate=True), max_bytes=_MAX_HEADER,
+                                 what="packed manifest")
     return json.loads(stored)
 
 

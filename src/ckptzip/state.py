@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,6 +56,40 @@ class TensorRecord:
         return cls(name, d["role"], d["dtype"], tuple(d["shape"]), d.get("layer_type", "other"), d.get("param"))
 
 
+@dataclass(frozen=True)
+class OptimizerHParams:
+    """The hyperparameters of a parameter's optimizer param_group that codecs read (None: absent)."""
+
+    lr: float | None = None
+    betas: tuple[float, float] | None = None   # Adam family
+    eps: float | None = None
+    momentum: float | None = None              # SGD
+    weight_decay: float | None = None
+
+
+@dataclass(frozen=True)
+class ParamView:
+    """One model parameter and its optimizer state, as record names of a FlatState.
+
+    ``FlatState.params()`` builds these once from the records and the skeleton, so no method parses
+    record names or skeleton tags to find a weight's moments or Adam's betas.
+    """
+
+    name: str                          # parameter name ("fc1.weight"); "optimizer/state/<i>" when unlinked
+    weight: str | None                 # record of the weight ("model/fc1.weight"), None if not in the state
+    moments: Mapping[str, str]         # role -> record (exp_avg, exp_avg_sq, momentum_buffer, ...)
+    step: float | None = None          # the optimizer's step count for this parameter
+    hparams: OptimizerHParams | None = None
+    index: int | None = None           # the parameter's index in optimizer.state_dict()
+
+    @property
+    def adam(self) -> bool:
+        """Adam-family state: m and v present, with betas, eps and a step count."""
+        hp = self.hparams
+        return ("exp_avg" in self.moments and "exp_avg_sq" in self.moments and hp is not None
+                and hp.betas is not None and hp.eps is not None and self.step is not None)
+
+
 @dataclass
 class FlatState:
     """A training state as records + tensors + skeleton. ``tensors`` and ``records`` share keys."""
@@ -63,9 +98,16 @@ class FlatState:
     records: dict[str, TensorRecord]
     skeleton: object                       # JSON-able tree with {"__t": "tensor", "ref": name} leaves
     extra: dict = field(default_factory=dict)  # flatten-time facts (e.g. how params were linked)
+    _params: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     def by_role(self, *roles: str) -> list[TensorRecord]:
         return [r for r in self.records.values() if r.role in roles]
+
+    def params(self) -> dict[str, ParamView]:
+        """Every parameter with a weight or optimizer state, in record order (see ParamView)."""
+        if self._params is None:
+            self._params = _param_views(self)
+        return self._params
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,6 +173,66 @@ def _infer_param_names(model_sd: dict, opt_sd: dict) -> dict[int, str]:
         if shapes and shapes != {tuple(model_sd[k].shape)}:
             return {}
         out[i] = k
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# parameter views
+
+def _param_views(flat: FlatState) -> dict[str, ParamView]:
+    """FlatState.params(): weights by their ``param`` link, optimizer entries by the skeleton."""
+    fields: dict[str, dict] = {}
+    for n, r in flat.records.items():
+        if r.role == "weight" and r.param is not None:
+            fields.setdefault(r.param, {"weight": n, "moments": {}})
+    opt = flat.skeleton.get("optimizer") if isinstance(flat.skeleton, dict) else None
+    if not isinstance(opt, dict):
+        return {k: ParamView(k, **v) for k, v in fields.items()}
+    hparams = _group_hparams(opt.get("param_groups"), flat.tensors)
+    for key, entry in _entries(opt.get("state")):
+        if not isinstance(entry, dict):
+            continue
+        moments, step = {}, None
+        for role, leaf in entry.items():
+            ref = leaf.get("ref") if isinstance(leaf, dict) and leaf.get("__t") in ("tensor", "alias") else None
+            if role == "step":
+                step = _number(flat.tensors[ref] if ref is not None else leaf)
+            elif ref is not None and ref in flat.records:
+                moments[role] = ref
+        links = {flat.records[m].param for m in moments.values()} - {None}
+        param = links.pop() if len(links) == 1 else key if isinstance(key, str) and key in fields else None
+        name = param if param is not None else f"optimizer/state/{key}"
+        v = fields.setdefault(name, {"weight": None, "moments": {}})
+        v.update(moments=moments, step=step, hparams=hparams.get(key), index=key if isinstance(key, int) else None)
+    return {k: ParamView(k, **v) for k, v in fields.items()}
+
+
+def _entries(state_sk) -> list[tuple[object, object]]:
+    """(key, entry skeleton) of optimizer.state_dict()["state"] (int keys are tagged, str keys plain)."""
+    if isinstance(state_sk, dict) and state_sk.get("__t") == "dict":
+        return [tuple(kv) for kv in state_sk.get("items", [])]
+    return list(state_sk.items()) if isinstance(state_sk, dict) else []
+
+
+def _number(x) -> float | None:
+    if isinstance(x, torch.Tensor):
+        return float(x.reshape(-1)[0]) if x.numel() == 1 else None
+    return float(x) if isinstance(x, int | float) and not isinstance(x, bool) else None
+
+
+def _group_hparams(groups_sk, tensors: dict[str, torch.Tensor]) -> dict[object, OptimizerHParams]:
+    """param key -> its param_group's hyperparameters (tags and tensor values resolved)."""
+    out = {}
+    for g in unflatten_state(groups_sk, tensors) if isinstance(groups_sk, list) else []:
+        if not isinstance(g, dict):
+            continue
+        betas = g.get("betas")
+        betas = tuple(_number(b) for b in betas) if isinstance(betas, list | tuple) and len(betas) == 2 else None
+        hp = OptimizerHParams(lr=_number(g.get("lr")), betas=betas if betas and None not in betas else None,
+                              eps=_number(g.get("eps")), momentum=_number(g.get("momentum")),
+                              weight_decay=_number(g.get("weight_decay")))
+        for key in g.get("params", []):
+            out[key] = hp
     return out
 
 

@@ -11,4 +11,7 @@ Modules (import each one directly; this package re-exports nothing):
 - ``huffman``   canonical, length-limited Huffman coding of integer streams (numba fast path)
 - ``ans``       the same interface on constriction's ANS coder
 - ``bitmask``, ``bytegroup``  float-delta helpers for the other methods
+- ``stages``    the registry of every record-pipeline descriptor (checked on read)
+- ``frames``    the one place that calls zstd and xz (bounded, typed errors)
+- ``bitpack``   the one bit-packer (LSB first)
 """

@@ -27,7 +27,7 @@ Call order::
     kind, payload, meta = encode_delta(cur, base)      # kind in {"same", "bitmask", "dense"}
     cur2 = decode_delta(kind, payload, base, meta)     # bit-identical to cur
 
-``coo_encode`` / ``coo_decode`` are the sparse-matrix baseline that the benchmark compares with.
+The sparse-matrix (COO) baseline that the benchmark compares with is bench/paper_baselines.py.
 """
 from __future__ import annotations
 
@@ -37,11 +37,10 @@ import torch
 
 from ..errors import ConfigError, CorruptCheckpointError
 from ..tensorbytes import BITS_DTYPE, DTYPES, dtype_name, tensor_from_bytes, tensor_to_bytes
+from . import bitpack
 
 KINDS = ("same", "bitmask", "dense")
-_COO_INDEX_BYTES = 4  # int32 little-endian element index
-# 1, 2, 4, ..., 128: weight of each of the 8 mask bits inside a packed byte (little-endian bit order)
-_BIT_WEIGHTS = [1 << i for i in range(8)]
+_COO_INDEX_BYTES = 4  # int32 little-endian element index (COO's size, for comparison)
 
 
 # --------------------------------------------------------------------------- sizes / break-even
@@ -68,26 +67,13 @@ def changed_mask(cur: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- bit packing
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """(n,) bool -> (ceil(n/8),) uint8, little-endian bit order within each byte, zero padding."""
-    mask = mask.reshape(-1)
-    n = mask.numel()
-    pad = (-n) % 8
-    m = mask.to(torch.uint8)
-    if pad:
-        m = torch.cat([m, m.new_zeros(pad)])
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=m.device)
-    # each row holds 8 bits; sum of bit*2^i fits in uint8 (max 255), so no overflow
-    return (m.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+    """(n,) bool -> (ceil(n/8),) uint8: codec/bitpack.py at 1 bit (LSB first, zero padding)."""
+    return bitpack.pack(mask.reshape(-1).to(torch.bool), 1)
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of pack_bits: (ceil(n/8),) uint8 -> (n,) bool. Raises if padding bits are set."""
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=packed.device)
-    bits = (packed.reshape(-1, 1) & weights) != 0  # (n_bytes, 8)
-    bits = bits.reshape(-1)
-    if bool(bits[n:].any()):
-        raise CorruptCheckpointError("bitmask padding bits are set; the payload is corrupt")
-    return bits[:n]
+    return bitpack.unpack(packed, n, 1).to(torch.bool)
 
 
 # --------------------------------------------------------------------------- bitmask delta
@@ -149,37 +135,6 @@ def decode_delta(kind: str, payload: bytes, base: torch.Tensor, meta: dict) -> t
     values = tensor_from_bytes(payload[n_mask:], meta["dtype"], (k,)).to(base.device)
     out = base.detach().clone().reshape(-1)
     out[mask] = values
-    return out.reshape(base.shape)
-
-
-# --------------------------------------------------------------------------- COO baseline
-def coo_encode(cur: torch.Tensor, base: torch.Tensor) -> tuple[bytes, dict]:
-    """Sparse-matrix baseline: int32 flat indices of the changed elements, then their values."""
-    _check_pair(cur, base)
-    n = cur.numel()
-    if n > 2**31 - 1:
-        raise ConfigError(f"COO with int32 indices holds at most 2**31-1 elements, got {n}; split the tensor")
-    mask = _bits(cur) != _bits(base)
-    idx = torch.nonzero(mask).reshape(-1).to(torch.int32)
-    values = cur.detach().reshape(-1)[mask]
-    meta = {"shape": list(cur.shape), "dtype": dtype_name(cur.dtype), "n_changed": int(idx.numel())}
-    return tensor_to_bytes(idx) + tensor_to_bytes(values), meta
-
-
-def coo_decode(payload: bytes, base: torch.Tensor, meta: dict) -> torch.Tensor:
-    """Inverse of coo_encode (bit-exact), on base's device."""
-    n, width = _check_meta(base, meta)
-    k = int(meta.get("n_changed", -1))
-    if k < 0 or len(payload) != k * (_COO_INDEX_BYTES + width):
-        raise CorruptCheckpointError(
-            f"COO payload has {len(payload)} bytes, expected n_changed x {_COO_INDEX_BYTES + width} (n_changed={k})"
-        )
-    idx = tensor_from_bytes(payload[: k * _COO_INDEX_BYTES], "int32", (k,)).long()
-    if k and (int(idx.min()) < 0 or int(idx.max()) >= n):
-        raise CorruptCheckpointError(f"COO index out of range [0, {n})")
-    values = tensor_from_bytes(payload[k * _COO_INDEX_BYTES:], meta["dtype"], (k,))
-    out = base.detach().clone().reshape(-1)
-    out[idx.to(base.device)] = values.to(base.device)
     return out.reshape(base.shape)
 
 

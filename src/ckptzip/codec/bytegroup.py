@@ -15,9 +15,9 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-import zstandard
 
 from ..errors import CorruptCheckpointError
+from .frames import zstd_compress, zstd_decompress
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _RAW = 1 << 31
@@ -39,11 +39,10 @@ def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, le
     if rotate:
         words = _rotl1(words.astype(_UINT[width], copy=False), 8 * width)
     planes = words.view(np.uint8).reshape(-1, width)[:, ::-1].T  # (width, n): MSB plane first
-    cctx = zstandard.ZstdCompressor(level=level)
     lens, out = [], []
     for p in planes:
         p = np.ascontiguousarray(p).tobytes()
-        c = cctx.compress(p)
+        c = zstd_compress(p, level)
         if len(c) >= len(p):
             lens.append(len(p) | _RAW)
             out.append(p)
@@ -68,22 +67,18 @@ def decompress(blob: bytes | memoryview) -> bytes:
     if end != len(blob):
         raise CorruptCheckpointError("byte-grouped blob has trailing bytes" if end < len(blob) else
                                      f"byte-grouped blob is truncated: {len(blob)} bytes, its planes need {end}")
-    dctx = zstandard.ZstdDecompressor()
     for i, ln in enumerate(lens):
         size = ln & ~_RAW
         chunk = blob[off:off + size]
         off += size
-        try:
-            # check the size a plane promises before allocating: a corrupt word count or frame
-            # header must not ask for terabytes (MemoryError is not a typed error)
-            promised = size if ln & _RAW else zstandard.frame_content_size(chunk)
-            if promised != n:
-                raise CorruptCheckpointError(f"byte plane {i} holds {promised} bytes, expected {n}")
-            p = bytes(chunk) if ln & _RAW else dctx.decompress(chunk, max_output_size=n)
-        except zstandard.ZstdError as e:
-            raise CorruptCheckpointError(f"byte plane {i} fails to decompress: {e}") from None
-        if len(p) != n:
-            raise CorruptCheckpointError(f"byte plane {i} has {len(p)} bytes, expected {n}")
+        # the size a plane promises is checked before allocating: a corrupt word count or frame
+        # header must not ask for terabytes (MemoryError is not a typed error)
+        if ln & _RAW:
+            if size != n:
+                raise CorruptCheckpointError(f"byte plane {i} holds {size} bytes, expected {n}")
+            p = bytes(chunk)
+        else:
+            p = zstd_decompress(chunk, max_bytes=n, exact=True, what=f"byte plane {i}")
         if i == 0:
             planes = np.empty((width, n), dtype=np.uint8)
         planes[i] = np.frombuffer(p, dtype=np.uint8)

@@ -48,11 +48,11 @@ from typing import Callable
 
 import numpy as np
 import torch
-import zstandard
 
 from ..errors import CorruptCheckpointError
 from . import delta as _delta
 from . import rle as _rle
+from .frames import zstd_compress, zstd_decompress
 
 __all__ = [
     "CODERS", "get_coder", "encode_stream", "decode_stream", "zstd_encode", "zstd_decode",
@@ -109,7 +109,7 @@ def zstd_encode(symbols, level: int = 3) -> bytes:
     out = bytearray(_ZSTD_MAGIC)
     out.append(width)
     write_varint(out, sym.size)
-    out += zstandard.ZstdCompressor(level=level).compress(sym.astype(_ZSTD_WIDTHS[width]).tobytes())
+    out += zstd_compress(sym.astype(_ZSTD_WIDTHS[width]).tobytes(), level)
     return seal(out)
 
 
@@ -121,12 +121,7 @@ def zstd_decode(buf) -> np.ndarray:
     if width not in _ZSTD_WIDTHS:
         raise CorruptCheckpointError(f"zstd stream has integer width {width}, expected 1, 2, 4 or 8")
     n = r.varint()
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(bytes(r.rest()), max_output_size=n * width)
-    except zstandard.ZstdError as e:
-        raise CorruptCheckpointError(f"zstd stream does not decompress: {e}") from None
-    if len(raw) != n * width:
-        raise CorruptCheckpointError(f"zstd stream holds {len(raw)} bytes, expected {n * width}")
+    raw = zstd_decompress(r.rest(), max_bytes=n * width, exact=True, what="zstd stream")
     return np.frombuffer(raw, dtype=_ZSTD_WIDTHS[width]).astype(np.int64)
 
 

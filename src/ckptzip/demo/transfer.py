@@ -59,7 +59,7 @@ def run_transfer(out: pathlib.Path, thresholds=(0.01, 0.05), steps: int = 80, sp
                  "test_accuracy": acc0})
     for th in thresholds:
         with tempfile.TemporaryDirectory() as d:
-            chain = CheckpointChain(d, "dynaquant", {"search_space": SEARCH_SPACES[space]})
+            chain = CheckpointChain(d, "dynaquant", {"search": {"space": SEARCH_SPACES[space]}})
             ctx = EncodeContext(step=0, model=encoder, eval_fn=eval_fn, threshold=th)
             e = chain.save({"model": encoder.state_dict()}, 0, model=encoder, ctx=ctx)
             restored = chain.load(0)["model"]

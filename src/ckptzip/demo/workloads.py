@@ -237,11 +237,11 @@ def stdlib_docstrings(per_class: int = 130, seed: int = 0) -> tuple[list[str], l
 
 
 # Conservative config-search space for fine-tuning from pretrained weights (the transfer study).
-FINETUNE_SEARCH_SPACE = {"bins": (8, 12, 16, 32), "prune_fractions": (0.0, 0.1)}
+FINETUNE_SEARCH_SPACE = {"bins": (8, 12, 16, 32), "prune_fraction": (0.0, 0.1)}
 # minilm_workload's search judges output fidelity: 32 bins already move MiniLM's [CLS] states by
 # 13 %, 128 bins by 4-5 % (measured on its pretrained and fine-tuned weights), so the space reaches
 # up to 256 bins without pruning, and the budget is 10 % relative error.
-FIDELITY_SEARCH_SPACE = {"bins": (16, 32, 64, 128, 256), "prune_fractions": (0.0,)}
+FIDELITY_SEARCH_SPACE = {"bins": (16, 32, 64, 128, 256), "prune_fraction": (0.0,)}
 FIDELITY_THRESHOLD = 0.10
 
 
@@ -354,7 +354,7 @@ def minilm_workload(total_steps: int = 40, ckpt_every: int = 8, bsz: int = 16, m
     fid = judge == "fidelity"
     space = FIDELITY_SEARCH_SPACE if fid else FINETUNE_SEARCH_SPACE
     return Workload("minilm-docstrings", build, batch, loss, fidelity if fid else val_loss, metric, "test accuracy",
-                    True, total_steps, ckpt_every, method_configs={"dynaquant": {"search_space": space}},
+                    True, total_steps, ckpt_every, method_configs={"dynaquant": {"search": {"space": space}}},
                     threshold=FIDELITY_THRESHOLD if fid else None,
                     description=
                     f"fine-tune pretrained all-MiniLM-L6-v2 (22.7M) to tell which of {len(DOCSTRING_PACKAGES)} stdlib "

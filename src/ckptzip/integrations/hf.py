@@ -9,8 +9,9 @@
 
 The callback ingests the ``checkpoint-N/`` folder the Trainer has just written (weights,
 optimizer, scheduler, RNG, trainer state: every file, the non-tensor ones byte for byte) into the
-chain; ``delete_folders=True`` then removes the uncompressed folder, so only the chain stays on
-disk. ``restore_checkpoint`` rebuilds the folder in the same layout for ``resume_from_checkpoint``.
+chain, in source layout ``hf-trainer/1`` (ckptzip/ingest/trainer.py); ``delete_folders=True``
+then removes the uncompressed folder, so only the chain stays on disk. ``restore_checkpoint``
+rebuilds the folder in the same layout for ``resume_from_checkpoint``.
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import shutil
 
 from transformers import TrainerCallback
 
-from .. import ingest
 from ..chain import CheckpointChain, KeyframePolicy, RetentionPolicy
+from ..ingest import LAYOUTS, TRAINER_LAYOUT, write_restored
 from ..methods.base import EncodeContext
 
 
@@ -43,7 +44,7 @@ class CkptzipCallback(TrainerCallback):
         steps = self.chain.steps()
         if steps and step <= steps[-1]:
             return  # already in the chain (a save repeated at the same step)
-        st = ingest.load_source(ingest.Source(folder, "trainer", step, "trainer_state"))
+        st = LAYOUTS[TRAINER_LAYOUT].load(folder, step)
         ctx = EncodeContext(step=step, model=model, eval_fn=self.eval_fn, threshold=self.threshold,
                             higher_is_better=self.higher_is_better)
         self.chain.save(st, step, model=model, ctx=ctx)
@@ -52,11 +53,14 @@ class CkptzipCallback(TrainerCallback):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def restore_checkpoint(chain_url, step: int | None = None, out_dir=".") -> str:
-    """Rebuild the Trainer's ``checkpoint-N/`` folder of ``step`` (latest if None) under ``out_dir``."""
+def restore_checkpoint(chain_url, step: int | None = None, out_dir=".", *, force: bool = False) -> str:
+    """Rebuild the Trainer's ``checkpoint-N/`` folder of ``step`` (latest if None) under ``out_dir``.
+
+    An existing non-empty folder of that name is an error unless ``force`` (then it is replaced).
+    """
     chain = CheckpointChain(chain_url)
     restored = chain.restore(step)
     folder = pathlib.Path(out_dir) / f"checkpoint-{restored.step}"
     folder.parent.mkdir(parents=True, exist_ok=True)
-    ingest.write_restored(restored.state, folder, step=restored.step)
+    write_restored(restored.state, folder, step=restored.step, force=force)
     return str(folder)

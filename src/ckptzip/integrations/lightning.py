@@ -7,12 +7,12 @@
 Lightning names a ``.ckpt`` path per save. The chain lives beside those paths (folder
 ``<dirpath>/ckptzip-chain``); each ``.ckpt`` path becomes a small JSON pointer
 ``{"ckptzip": 1, "chain": ..., "step": N}``, so Lightning's own bookkeeping (top-k, last.ckpt,
-removal) keeps working, and loading a pointer restores that step from the chain.
+removal) keeps working, and loading a pointer restores that step from the chain. The checkpoint
+dict is stored in source layout ``lightning/1`` (ckptzip/ingest/lightning.py), so
+``ckptzip restore <dirpath>/ckptzip-chain --out x.ckpt`` writes a file plain Lightning loads.
 """
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from ..chain import CheckpointChain, KeyframePolicy, RetentionPolicy
-from ..errors import CorruptCheckpointError
+from ..errors import ConfigError
+from ..ingest import lightning as layout
 from ..methods.base import EncodeContext
+from ..sensitivity import GradientRecorder, should_arm
 
 CHAIN_DIR = "ckptzip-chain"
 
@@ -38,8 +40,8 @@ class CompressedCheckpointIO(CheckpointIO):
         self.model = None          # set by SensitivityCallback (for config searches and sensitivity)
         self.gradients = None
 
-    def _chain(self, folder: Path) -> CheckpointChain:
-        key = str(folder / CHAIN_DIR)
+    def _chain(self, folder: Path, name: str = CHAIN_DIR) -> CheckpointChain:
+        key = str(folder / name)
         if key not in self._chains:
             self._chains[key] = CheckpointChain(key, self.method, self.config, keyframe=self.keyframe,
                                                 retention=self.retention)
@@ -52,29 +54,19 @@ class CompressedCheckpointIO(CheckpointIO):
         step = int(checkpoint.get("global_step", 0))
         steps = chain.steps()
         if not steps or step > steps[-1]:
-            state, layout = _normalize(checkpoint)
-            state["__layout__"] = layout
             ctx = EncodeContext(step=step, model=self.model, eval_fn=self.eval_fn, threshold=self.threshold,
                                 higher_is_better=self.higher_is_better, gradients=self.gradients)
-            chain.save(state, step, model=self.model, ctx=ctx)
+            chain.save(layout.normalise(checkpoint, path.name), step, model=self.model, ctx=ctx)
         elif step not in steps:
-            raise ValueError(f"Lightning saved step {step}, older than the chain's latest {steps[-1]}; "
-                             "use a fresh checkpoint folder for a new run")
+            raise ConfigError(f"Lightning saved step {step}, older than the chain's latest {steps[-1]} in "
+                              f"{chain.url}; use a fresh checkpoint folder for a new run")
         # else: same step saved under another name (e.g. last.ckpt): only the pointer is new
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps({"ckptzip": 1, "chain": CHAIN_DIR, "step": step}))
-        os.replace(tmp, path)
+        layout.write_pointer(path, CHAIN_DIR, step)
 
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict[str, Any]:
         path = Path(path)
-        try:
-            ptr = json.loads(path.read_text())
-            step = int(ptr["step"])
-        except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
-            raise CorruptCheckpointError(f"{path}: not a ckptzip pointer file; was it saved with "
-                                         "CompressedCheckpointIO?") from None
-        state = self._chain(path.parent).load(step)
-        ckpt = _denormalize(state)
+        ptr = layout.read_pointer(path)
+        ckpt = layout.to_checkpoint(self._chain(path.parent, ptr.chain).load(ptr.step), path)
         if map_location is not None:
             ckpt["state_dict"] = {k: v.to(map_location) if isinstance(v, torch.Tensor) else v
                                   for k, v in ckpt["state_dict"].items()}
@@ -92,35 +84,25 @@ class CompressedCheckpointIO(CheckpointIO):
             c.close()
 
 
-def _normalize(ckpt: dict) -> tuple[dict, dict]:
-    """Lightning's checkpoint dict -> {"model", "optimizer", ...} so records get their roles."""
-    rest = {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}
-    state = {"model": ckpt.get("state_dict", {})}
-    opts = ckpt.get("optimizer_states", [])
-    layout = {"n_optimizers": len(opts)}
-    if len(opts) == 1:
-        state["optimizer"] = opts[0]
-    else:
-        state["optimizers"] = list(opts)
-    state["lightning"] = rest
-    return state, layout
-
-
-def _denormalize(state: dict) -> dict:
-    layout = state.get("__layout__", {})
-    ckpt = dict(state.get("lightning", {}))
-    ckpt["state_dict"] = state["model"]
-    ckpt["optimizer_states"] = [state["optimizer"]] if layout.get("n_optimizers") == 1 else state.get("optimizers", [])
-    return ckpt
-
-
 class SensitivityCallback(Callback):
     """Gives the checkpoint plugin the live model, and records gradient EMAs before each save
-    (DynaQuant's sensitivity metric), active only in the ``window`` steps before a save."""
+    (DynaQuant's sensitivity metric), active only in the ``window`` training steps before a save.
+
+    The window is placed on Lightning's own step counter (``trainer.global_step``, which
+    ModelCheckpoint's ``every_n_train_steps`` counts too), so it does not matter which submodules
+    ``training_step`` calls. The save interval is ``every_n_train_steps`` when given (pass your
+    ModelCheckpoint's so the first save has gradients too), else learned from the steps between
+    saves: Lightning exposes no public save interval, and until one save is seen nothing is
+    recorded and sensitivity falls back to magnitude.
+    """
 
     def __init__(self, window: int = 50, every_n_train_steps: int | None = None):
+        if every_n_train_steps is not None and every_n_train_steps < 1:
+            raise ConfigError(f"every_n_train_steps must be >= 1 (or None to learn it), got {every_n_train_steps}")
         self.window, self.every = window, every_n_train_steps
-        self._rec = None
+        self._rec: GradientRecorder | None = None
+        self._learned: int | None = None   # steps between the last two saves
+        self._last: int | None = None      # global_step of the last save (or where this fit started)
 
     def _plugin(self, trainer) -> CompressedCheckpointIO | None:
         io = trainer.strategy.checkpoint_io
@@ -131,20 +113,28 @@ class SensitivityCallback(Callback):
         if io is None:
             return
         io.model = pl_module
-        every = self.every
-        if every is None:
-            from lightning.pytorch.callbacks import ModelCheckpoint
+        self._rec = GradientRecorder(pl_module, window=self.window)
+        self._last = self._learned = None
 
-            mc = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)
-            every = getattr(mc, "_every_n_train_steps", None) or None
-        from ..api import SaveWindowRecorder
-
-        self._rec = SaveWindowRecorder(pl_module, window=self.window, save_every=every)
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self._rec is None:
+            return
+        if self._last is None:
+            self._last = trainer.global_step  # the first batch of this fit (after a resume: the restored step)
+        every = self.every or self._learned
+        if every and should_arm(trainer.global_step + 1, every, self.window):
+            self._rec.arm()  # no-op while armed
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         io = self._plugin(trainer)
-        if io is not None and self._rec is not None:
-            io.gradients = self._rec.on_save(trainer.global_step)
+        if io is None or self._rec is None:
+            return
+        io.gradients = (self._rec.gradients() or None) if self._rec.steps > 0 else None
+        self._rec.disarm()
+        step = trainer.global_step
+        if self._last is not None and step > self._last:  # a second save of the same step teaches nothing
+            self._learned = step - self._last
+        self._last = step
 
     def on_fit_end(self, trainer, pl_module):
         if self._rec is not None:

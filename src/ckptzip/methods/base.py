@@ -22,24 +22,34 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from collections.abc import Iterator
+from typing import Callable, ClassVar
 
 import torch
 
 from ..codec import bytegroup
+from ..codec import stages as S
 from ..errors import ConfigError, CorruptCheckpointError, UnknownMethodError
 from ..state import FlatState, TensorRecord
 from ..tensorbytes import tensor_from_bytes, tensor_to_bytes
 
 
-@dataclass
+@dataclass(frozen=True)
 class Reference:
-    """What a method needs from earlier checkpoints to encode or decode the next one."""
+    """What a method needs from earlier checkpoints to encode or decode the next one.
+
+    Each method subclasses it as a frozen dataclass that names its fields (previous codes, the
+    reconstructed weights, a base checkpoint...) and lists every tensor it holds in ``tensors()``:
+    the chain hands a restoring caller copies of those, so training never mutates a reference.
+    """
 
     step: int
-    data: Any
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        return iter(())
 
 
 @dataclass
@@ -50,6 +60,7 @@ class Encoded:
     blobs: dict[str, bytes] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)                # method-level JSON (search results, ...)
     keyframe: bool = True
+    skeleton: object | None = None                          # stored instead of the state's skeleton (excp)
 
     def add(self, name: str, pipeline: list[str], meta: dict | None = None, **blobs: bytes) -> None:
         """Add a record; blob keys are made unique as ``<record index>.<part>``."""
@@ -68,7 +79,7 @@ class Encoded:
             raise CorruptCheckpointError(f"record {name!r} has no blob {part!r}") from None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EncodeContext:
     """Everything beside the state that a method may use. Keyword-only so fields can be added."""
 
@@ -82,7 +93,7 @@ class EncodeContext:
     process_group: object | None = None           # parallel search trials; every rank must call save
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DecodeContext:
     step: int
     device: str | torch.device = "cpu"
@@ -106,7 +117,12 @@ class Method(ABC):
         config = config or self.config_cls()
         if not isinstance(config, self.config_cls):
             raise ConfigError(f"method {self.name!r} takes a {self.config_cls.__name__}, got {type(config).__name__}")
-        self.config = dataclasses.replace(config, **overrides) if overrides else config
+        self.config = merge_config(config, overrides) if overrides else config
+
+    @classmethod
+    def upgrade_config(cls, config: dict, version: int) -> dict:
+        """A config dict written by an older ``version`` of this method -> today's layout."""
+        return config
 
     @property
     def descriptor(self) -> str:
@@ -133,13 +149,53 @@ class Method(ABC):
 
 
 def config_from_dict(cls: type, d: dict):
-    """Build a frozen config from a manifest dict, refusing unknown keys with a fix-it message."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - names
+    """Build a frozen config (nested configs from nested dicts) from a manifest or user dict,
+    refusing unknown keys with a fix-it message."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{cls.__name__} wants a dict of its fields, got {type(d).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(d) - set(names))
     if unknown:
-        raise ConfigError(f"{cls.__name__} has no field(s) {sorted(unknown)}; valid: {sorted(names)}")
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
-    return cls(**kwargs)
+        where = {k: f"{n}.{k}" for n in names if dataclasses.is_dataclass(hints[n])
+                 for k in (f.name for f in dataclasses.fields(hints[n])) if k in unknown}
+        hint = "; ".join(f"{k!r} belongs in {w}: pass {{{w.split('.')[0]!r}: {{{k!r}: ...}}}}" for k, w in where.items())
+        raise ConfigError(f"{cls.__name__} has no field(s) {unknown}; valid: {sorted(names)}"
+                          + (f" ({hint})" if hint else ""))
+    kwargs = {}
+    for k, v in d.items():
+        if dataclasses.is_dataclass(hints[k]) and isinstance(v, dict):
+            v = config_from_dict(hints[k], v)
+        kwargs[k] = tuple(v) if isinstance(v, list) else v
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a nested field given something that is neither its config nor a dict
+        raise ConfigError(f"{cls.__name__}: {e}") from None
+
+
+def merge_config(config, overrides: dict):
+    """``config`` with ``overrides`` replaced; a dict given for a nested config merges into it."""
+    kw = {}
+    for k, v in overrides.items():
+        cur = getattr(config, k, None)
+        if dataclasses.is_dataclass(cur) and isinstance(v, dict):
+            v = merge_config(cur, v)
+        kw[k] = v
+    try:
+        return dataclasses.replace(config, **kw)
+    except TypeError:  # an unknown key: the same message as a config dict gives
+        config_from_dict(type(config), kw)
+        raise
+
+
+def method_for_file(descriptor: str, config: dict | None) -> Method:
+    """The method that decodes a file written as ``descriptor`` with ``config`` (older versions'
+    configs upgraded to today's layout)."""
+    cls = method_class(descriptor)
+    ver = descriptor.partition("/")[2]
+    if config and ver and int(ver) < cls.version:
+        config = cls.upgrade_config(config, int(ver))
+    return cls(config or None)
 
 
 # --- registry --------------------------------------------------------------------------------
@@ -150,7 +206,7 @@ _BUILTIN = {
     "lossless": "ckptzip.methods.lossless",
     "dynaquant": "ckptzip.methods.dynaquant",
     "excp": "ckptzip.methods.excp",
-    "excp-fixed": "ckptzip.methods.excp",
+    "excp-fixed": "ckptzip.methods.excp_fixed",
     "bitsnap": "ckptzip.methods.bitsnap",
     "bitsnap-lossless": "ckptzip.methods.bitsnap",
     "qd": "ckptzip.methods.baselines",
@@ -195,14 +251,14 @@ def available_methods() -> list[str]:
 
 # --- exact storage shared by every method (scalars, ints, small tensors, tensors a lossy method skips)
 
-EXACT_PIPELINE = ["exact/1", "bytegroup/1"]
+EXACT_PIPELINE = S.pipeline(S.EXACT, S.BYTEGROUP)
 _RAW_BELOW_BYTES = 256  # byte-group headers and zstd frames cost more than they save on tiny tensors
 
 
 def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3) -> None:
     raw = tensor_to_bytes(t)
     if len(raw) < _RAW_BELOW_BYTES:
-        enc.add(name, ["exact/1", "raw/1"], {}, data=raw)
+        enc.add(name, S.pipeline(S.EXACT, S.RAW), {}, data=raw)
         return
     enc.add(name, EXACT_PIPELINE, {}, data=bytegroup.compress(raw, t.element_size(),
                                                               float_bits=t.is_floating_point(), level=level))
@@ -210,7 +266,7 @@ def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3) ->
 
 def decode_exact(enc: Encoded, name: str, rec: TensorRecord) -> torch.Tensor:
     data = enc.blob(name, "data")
-    raw = data if "raw/1" in enc.records[name]["pipeline"] else bytegroup.decompress(data)
+    raw = data if S.RAW.descriptor in enc.records[name]["pipeline"] else bytegroup.decompress(data)
     return tensor_from_bytes(raw, rec.dtype, rec.shape)
 
 

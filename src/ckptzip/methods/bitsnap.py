@@ -38,7 +38,8 @@ Per-record pipelines and blobs (all integers little-endian)::
         ["bitsnap/1", "bitmask/1", "bytegroup/1"]     mask   = bytegroup(packed bitmask, width 1)
                                                       values = bytegroup(changed values, width w)
         payload_codec "zstd":
-        ["bitsnap/1", "bitmask/1", "zstd/1"]          payload = one zstd frame over mask || values
+        ["bitsnap/1", "bitmask/1", "zstd-frame/1"]    payload = one zstd frame over mask || values
+                                                      (files of bitsnap/1, ckptzip 0.1: "zstd/1")
         ["bitsnap/1", "bitmask/1"]                    payload = mask || values (codec "none", or
                                                       zstd did not shrink it)
       mask: ceil(n/8) bytes, bit i of byte j = element 8j+i changed (absent for kind "dense");
@@ -51,8 +52,8 @@ Per-record pipelines and blobs (all integers little-endian)::
 
 Method-level meta: ``{"bitsnap": {"base_step", "delta_index"}, "summary": {...}}``; delta_index is
 0 for a base and 1.. for its deltas, so a restarted writer rebuilds the count from the file alone.
-The reference is ``Reference(base_step, {"base": {name: CPU copy of the base's exact model
-states}, "count": deltas written against it})``; the optimizer state is never kept.
+The reference is ``BitSnapReference(base_step, base={name: CPU copy of the base's exact model
+states}, count=deltas written against it)``; the optimizer state is never kept.
 
 Call order (see methods/base.py)::
 
@@ -64,12 +65,13 @@ Call order (see methods/base.py)::
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
-import zstandard
 
-from ..codec import bitmask, bytegroup
+from ..codec import bitmask, bytegroup, frames
+from ..codec import stages as S
 from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError
 from ..quant import cluster8
 from ..quant.base import apply_codebook
@@ -81,6 +83,9 @@ PAYLOAD_CODECS = ("bytegroup", "zstd", "none")
 _NOT_OPTIMIZER = frozenset({"weight", "buffer", "step", "tensor"})
 # optimizer states that divide the step (Adam/AdamW/Adamax/RMSprop/Adagrad): rounded up by the guard
 SECOND_MOMENT_ROLES = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "exp_inf"})
+QUANTIZED = S.pipeline(S.BITSNAP, S.CLUSTER8)
+DELTA = S.pipeline(S.BITSNAP, S.BITMASK)
+FRAMED = ([S.ZSTD_FRAME.descriptor], [S.ZSTD_LEGACY.descriptor])  # zstd/1: the frame, in bitsnap/1 files
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,17 @@ class BitSnapConfig:
             raise ConfigError(f"zstd_level must be an int in [1, 22], got {self.zstd_level!r}")
         if self.payload_codec not in PAYLOAD_CODECS:
             raise ConfigError(f"payload_codec must be one of {PAYLOAD_CODECS}, got {self.payload_codec!r}")
+
+
+@dataclass(frozen=True)
+class BitSnapReference(Reference):
+    """The base checkpoint's exact model states (CPU copies) and the deltas written against it."""
+
+    base: Mapping[str, torch.Tensor]
+    count: int
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        return iter(self.base.values())
 
 
 def is_model_state(rec: TensorRecord) -> bool:
@@ -137,7 +153,7 @@ def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
 @register
 class BitSnapMethod(Method):
     name = "bitsnap"
-    version = 1
+    version = 2  # 2: "zstd-frame/1" where 1 wrote "zstd/1" (payload_codec "zstd"); both are read
     config_cls = BitSnapConfig
 
     # --- encode ---------------------------------------------------------------------------
@@ -155,6 +171,8 @@ class BitSnapMethod(Method):
         n_model = n_changed = 0
         quantized = []
         guarded = []  # (exp_avg record, its exp_avg_sq record)
+        v_of = {p.moments["exp_avg"]: p.moments["exp_avg_sq"] for p in state.params().values()
+                if "exp_avg" in p.moments and "exp_avg_sq" in p.moments}
         new_base = {} if keyframe else base
         for name, rec in state.records.items():
             t = state.tensors[name]
@@ -173,10 +191,10 @@ class BitSnapMethod(Method):
                 except NonFiniteError:
                     encode_exact(enc, name, t, level=cfg.zstd_level)  # inf/NaN moments: keep them as they are
                     continue
-                pipeline = ["bitsnap/1", cluster8.DESCRIPTOR]
-                v_name = name.rpartition("/")[0] + "/exp_avg_sq"
-                if cfg.adam_guard and rec.role == "exp_avg" and v_name in state.records:
-                    pipeline.append("zero-if/1")
+                pipeline = list(QUANTIZED)
+                v_name = v_of.get(name)
+                if cfg.adam_guard and v_name is not None:
+                    pipeline.append(S.ZERO_IF.descriptor)
                     meta["zero_if_zero"] = v_name
                     guarded.append((name, v_name))
                 enc.add(name, pipeline, meta, **blobs)
@@ -184,8 +202,8 @@ class BitSnapMethod(Method):
             else:
                 encode_exact(enc, name, t, level=cfg.zstd_level)
         for m_name, v_name in guarded:  # an exp_avg_sq kept exact (non-finite) gives no zero pattern
-            if enc.records[v_name]["pipeline"][:2] != ["bitsnap/1", cluster8.DESCRIPTOR]:
-                enc.records[m_name]["pipeline"].remove("zero-if/1")
+            if enc.records[v_name]["pipeline"][:2] != QUANTIZED:
+                enc.records[m_name]["pipeline"].remove(S.ZERO_IF.descriptor)
                 del enc.records[m_name]["meta"]["zero_if_zero"]
         summary = {"base_step": base_step, "delta_index": count, "optimizer_quantized": len(quantized),
                    "adam_guard": cfg.adam_guard}
@@ -193,17 +211,16 @@ class BitSnapMethod(Method):
             summary.update(kinds, changed_frac=round(n_changed / n_model, 6) if n_model else 0.0,
                            payload_codec=cfg.payload_codec)
         enc.meta = {"bitsnap": {"base_step": base_step, "delta_index": count}, "summary": summary}
-        return enc, Reference(base_step, {"base": new_base, "count": count})
+        return enc, BitSnapReference(base_step, new_base, count)
 
     @staticmethod
     def _unpack_reference(reference: Reference | None) -> tuple[dict | None, int]:
         if reference is None:
             return None, 0
-        data = reference.data
-        if not isinstance(data, dict) or not isinstance(data.get("base"), dict) or "count" not in data:
+        if not isinstance(reference, BitSnapReference):
             raise ConfigError("bitsnap was given a reference it did not make; pass the Reference its "
                               "encode/decode returned, or None for a base checkpoint")
-        return data["base"], int(data["count"])
+        return reference.base, reference.count
 
     @staticmethod
     def _fits(base: dict, models: dict[str, TensorRecord], state: FlatState) -> bool:
@@ -216,7 +233,7 @@ class BitSnapMethod(Method):
         kind, payload, dmeta = bitmask.encode_delta(cur, base)
         k = dmeta["n_changed"]
         meta = {"kind": kind, "n_changed": k}
-        pipeline = ["bitsnap/1", "bitmask/1"]
+        pipeline = list(DELTA)
         codec, level = self.config.payload_codec, self.config.zstd_level
         if kind == "same":
             enc.add(name, pipeline, meta)
@@ -225,12 +242,12 @@ class BitSnapMethod(Method):
             blobs = {"values": bytegroup.compress(payload[n_mask:], cur.element_size(), float_bits=True, level=level)}
             if n_mask:
                 blobs["mask"] = bytegroup.compress(payload[:n_mask], 1, float_bits=False, level=level)
-            enc.add(name, pipeline + ["bytegroup/1"], meta, **blobs)
+            enc.add(name, pipeline + [S.BYTEGROUP.descriptor], meta, **blobs)
         else:
             if codec == "zstd":
-                packed = zstandard.ZstdCompressor(level=level).compress(payload)
+                packed = frames.zstd_compress(payload, level)
                 if len(packed) < len(payload):
-                    payload, pipeline = packed, pipeline + ["zstd/1"]
+                    payload, pipeline = packed, pipeline + [S.ZSTD_FRAME.descriptor]
             enc.add(name, pipeline, meta, payload=payload)
         return kind, k
 
@@ -261,10 +278,10 @@ class BitSnapMethod(Method):
                 t = decode_exact(encoded, name, rec)
                 if encoded.keyframe and is_model_state(rec):
                     base[name] = t
-            elif pipeline[:2] == ["bitsnap/1", cluster8.DESCRIPTOR] and pipeline[2:] in ([], ["zero-if/1"]):
+            elif pipeline[:2] == QUANTIZED and pipeline[2:] in ([], [S.ZERO_IF.descriptor]):
                 blobs = {p: encoded.blob(name, p) for p in ("labels", "values", "scale", "min")}
                 t = cluster8.dequantize(cluster8.unpack(blobs, rec.shape, rec.dtype, device=ctx.device))
-            elif pipeline[:2] == ["bitsnap/1", "bitmask/1"] and not encoded.keyframe:
+            elif pipeline[:2] == DELTA and not encoded.keyframe:
                 if name not in base:
                     raise CorruptCheckpointError(f"record {name!r} is a bitmask delta but base step {base_step} "
                                                  "lacks it")
@@ -273,7 +290,7 @@ class BitSnapMethod(Method):
                 raise CorruptCheckpointError(f"record {name!r} has pipeline {pipeline}, which bitsnap/1 cannot decode")
             out[name] = t.to(ctx.device)
         for name in records:
-            if encoded.records[name]["pipeline"][2:] == ["zero-if/1"]:
+            if encoded.records[name]["pipeline"][2:] == [S.ZERO_IF.descriptor]:
                 v_name = encoded.records[name]["meta"].get("zero_if_zero")
                 v = out.get(v_name)
                 if v is None or v.shape != out[name].shape:
@@ -281,8 +298,8 @@ class BitSnapMethod(Method):
                                                  "but that record is missing or has another shape")
                 out[name] = out[name].masked_fill(v == 0, 0)
         if encoded.keyframe:
-            return out, Reference(ctx.step, {"base": base, "count": 0})
-        return out, Reference(base_step, {"base": base, "count": count})
+            return out, BitSnapReference(ctx.step, base, 0)
+        return out, BitSnapReference(base_step, base, count)
 
     @staticmethod
     def _decode_delta(encoded: Encoded, name: str, rec: TensorRecord, base: torch.Tensor) -> torch.Tensor:
@@ -294,14 +311,15 @@ class BitSnapMethod(Method):
             dmeta["n_changed"] = meta["n_changed"]
         if kind == "same":
             payload = b""
-        elif pipeline[2:] == ["bytegroup/1"]:
+        elif pipeline[2:] == [S.BYTEGROUP.descriptor]:
             payload = bytegroup.decompress(encoded.blob(name, "values"))
             if kind == "bitmask":
                 payload = bytegroup.decompress(encoded.blob(name, "mask")) + payload
-        elif pipeline[2:] in ([], ["zstd/1"]):
+        elif pipeline[2:] in ([], *FRAMED):
             payload = encoded.blob(name, "payload")
-            if pipeline[2:] == ["zstd/1"]:
-                payload = _zstd_decompress(payload, math.ceil(rec.numel / 8) + rec.numel * base.element_size())
+            if pipeline[2:]:  # the mask and every value at most
+                payload = frames.zstd_decompress(payload, max_bytes=math.ceil(rec.numel / 8) + rec.numel *
+                                                 base.element_size(), what=f"record {name!r} zstd payload")
         else:
             raise CorruptCheckpointError(f"record {name!r} has pipeline {pipeline}, which bitsnap/1 cannot decode")
         if kind not in bitmask.KINDS:
@@ -312,23 +330,12 @@ class BitSnapMethod(Method):
             raise CorruptCheckpointError(f"record {name!r}: {e}") from None
 
 
-def _zstd_decompress(data: bytes, max_bytes: int) -> bytes:
-    # check the promised size before allocating: a corrupt header must not ask for terabytes
-    try:
-        size = zstandard.frame_content_size(data)
-        if size < 0 or size > max_bytes:
-            raise CorruptCheckpointError(f"zstd payload promises {size} bytes, at most {max_bytes} expected")
-        return zstandard.ZstdDecompressor().decompress(data, max_output_size=max_bytes)
-    except zstandard.ZstdError as e:
-        raise CorruptCheckpointError(f"zstd payload does not decompress: {e}") from None
-
-
 @register
 class BitSnapLosslessMethod(BitSnapMethod):
     """BitSnap with exact optimizer states: every tensor of every step restores bit-exactly."""
 
     name = "bitsnap-lossless"
-    version = 1
+    version = 2
 
     def __init__(self, config=None, **overrides):
         if config is None:

@@ -6,11 +6,13 @@ removes it. The reference is the previous checkpoint's exact tensors.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from ..codec import bytegroup
+from ..codec import stages as S
 from ..errors import CorruptCheckpointError
 from ..state import FlatState, TensorRecord
 from ..tensorbytes import BITS_DTYPE, tensor_from_bytes, tensor_to_bytes
@@ -20,6 +22,16 @@ from .base import DecodeContext, EncodeContext, Encoded, Method, Reference, regi
 @dataclass(frozen=True)
 class LosslessConfig:
     zstd_level: int = 3  # levels above ~9 cost far more time for little gain on float planes
+
+
+@dataclass(frozen=True)
+class LosslessReference(Reference):
+    """The previous checkpoint's exact tensors (CPU), XOR-ed against by the next delta."""
+
+    exact: Mapping[str, torch.Tensor]
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        return iter(self.exact.values())
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -33,23 +45,23 @@ class LosslessMethod(Method):
     config_cls = LosslessConfig
 
     def encode(self, state: FlatState, reference: Reference | None, *, ctx: EncodeContext) -> tuple[Encoded, Reference]:
-        prev = reference.data if reference is not None else None
+        prev = reference.exact if reference is not None else None
         enc = Encoded(keyframe=prev is None)
         level = self.config.zstd_level
         for name, rec in state.records.items():
             t = state.tensors[name].detach().cpu().contiguous()
             p = prev.get(name) if prev is not None else None
-            pipeline = ["lossless/1"]
+            pipeline = [S.LOSSLESS.descriptor]
             if p is not None and p.dtype == t.dtype and p.shape == t.shape and t.numel():
                 t_bits = torch.bitwise_xor(_bits(t), _bits(p))
-                pipeline.append("xor/1")
+                pipeline.append(S.XOR.descriptor)
             else:
                 t_bits = t
             data = bytegroup.compress(tensor_to_bytes(t_bits), t.element_size(),
                                       float_bits=t.is_floating_point(), level=level)
-            enc.add(name, pipeline + ["bytegroup/1"], {}, data=data)
+            enc.add(name, pipeline + [S.BYTEGROUP.descriptor], {}, data=data)
         ref = {n: t.detach().cpu().clone() for n, t in state.tensors.items()}
-        return enc, Reference(ctx.step, ref)
+        return enc, LosslessReference(ctx.step, ref)
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
@@ -57,10 +69,10 @@ class LosslessMethod(Method):
         for name, rec in records.items():
             raw = bytegroup.decompress(encoded.blob(name, "data"))
             t = tensor_from_bytes(raw, rec.dtype, rec.shape)
-            if "xor/1" in encoded.records[name]["pipeline"]:
-                p = reference.data.get(name) if reference is not None else None
+            if S.XOR.descriptor in encoded.records[name]["pipeline"]:
+                p = reference.exact.get(name) if reference is not None else None
                 if p is None or p.shape != t.shape or p.dtype != t.dtype:
                     raise CorruptCheckpointError(f"record {name!r} is an XOR delta but its parent lacks it")
                 t = torch.bitwise_xor(_bits(t), _bits(p)).view(t.dtype)
             out[name] = t
-        return out, Reference(ctx.step, {n: t for n, t in out.items()})
+        return out, LosslessReference(ctx.step, dict(out))

@@ -8,30 +8,39 @@ one blob per side tensor ``side.<key>`` (raw little-endian bytes). Meta: ``n_lev
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..codec import stages as S
 from ..codec.entropy import decode_codes, encode_codes
 from ..errors import CorruptCheckpointError
 from ..quant.base import QuantizedTensor
 from ..tensorbytes import dtype_name, tensor_from_bytes, tensor_to_bytes
 from .base import Encoded
 
-CodesRef = tuple[torch.Tensor, int]  # (codes in a narrow dtype, n_levels) kept between saves
+@dataclass(frozen=True)
+class Codes:
+    """One record's integer codes kept between saves (the next checkpoint's delta is taken against them)."""
+
+    codes: torch.Tensor   # flat, in the narrowest integer dtype that holds them (see ``compact``)
+    n_levels: int
 
 
-def store(enc: Encoded, name: str, q: QuantizedTensor, prev: CodesRef | None, *, method: str, coder: str = "huffman",
-          rearrange: bool = True, rle: bool = True, meta: dict | None = None) -> CodesRef:
+def store(enc: Encoded, name: str, q: QuantizedTensor, prev: Codes | None, *, method: str, coder: str = "huffman",
+          rearrange: bool = True, rle: bool = True, meta: dict | None = None) -> Codes:
     """Add record ``name`` holding ``q``; a cyclic delta against ``prev`` when given and same size."""
-    if prev is not None and prev[0].numel() != q.numel:
+    if prev is not None and prev.codes.numel() != q.numel:
         prev = None
-    B = max(q.n_levels, prev[1]) if prev is not None else q.n_levels  # levels may change between saves
+    B = max(q.n_levels, prev.n_levels) if prev is not None else q.n_levels  # levels may change between saves
     if coder == "auto":
         coder, rearrange, rle = choose_coder(q.codes, prev)
     codes = q.codes if q.codes.dtype in (torch.int32, torch.int64) else q.codes.long()  # one tensor at a time
-    blob = encode_codes(prev[0].long() if prev is not None else None, codes, B, rearrange=rearrange, rle=rle,
+    blob = encode_codes(prev.codes.long() if prev is not None else None, codes, B, rearrange=rearrange, rle=rle,
                         coder=coder)
-    pipeline = [method] + ((["cyclic-delta/1"] + (["rearrange/1"] if rearrange else [])) if prev is not None else [])
-    pipeline += (["rle/1"] if rle else []) + [f"{coder}/1"]
+    stages = ([S.CYCLIC_DELTA] + ([S.REARRANGE] if rearrange else []) if prev is not None else []) + \
+        ([S.RLE] if rle else []) + [S.CODER_STAGES[coder]]
+    pipeline = [method] + S.pipeline(*stages)
     side = {k: v.detach().cpu().contiguous() for k, v in q.side.items()}
     rec_meta = {"n_levels": q.n_levels, "delta": prev is not None,
                 "side": {k: [dtype_name(v.dtype), list(v.shape)] for k, v in side.items()}, **(meta or {})}
@@ -41,13 +50,13 @@ def store(enc: Encoded, name: str, q: QuantizedTensor, prev: CodesRef | None, *,
     else:  # a parametric grid (the moment codec): the levels are implied by the meta
         rec_meta["codebook"] = False
     enc.add(name, pipeline, rec_meta, codes=blob, **book, **{f"side.{k}": tensor_to_bytes(v) for k, v in side.items()})
-    return compact(q.codes), q.n_levels
+    return Codes(compact(q.codes, q.n_levels), q.n_levels)
 
 
 AUTO_RUNS_ABOVE = 0.8  # share of unchanged codes above which runs of zero deltas pay for RLE
 
 
-def choose_coder(codes: torch.Tensor, prev: CodesRef | None) -> tuple[str, bool, bool]:
+def choose_coder(codes: torch.Tensor, prev: Codes | None) -> tuple[str, bool, bool]:
     """The ``auto`` coder: (coder, rearrange, rle) for one tensor, from one count of changed codes.
 
     Measured on real chains (bench/delta.py, bench/codec.py): when most codes repeat the parent's
@@ -57,11 +66,12 @@ def choose_coder(codes: torch.Tensor, prev: CodesRef | None) -> tuple[str, bool,
     """
     if prev is None:
         return "ans", False, False
-    same = float((codes.reshape(-1).cpu() == prev[0].reshape(-1).to(torch.int64)).float().mean()) if codes.numel() else 1.0
+    same = float((codes.reshape(-1).cpu() == prev.codes.reshape(-1).to(torch.int64)).float().mean()) \
+        if codes.numel() else 1.0
     return ("huffman", True, True) if same >= AUTO_RUNS_ABOVE else ("ans", False, False)
 
 
-def load(enc: Encoded, name: str, shape, dtype: str, prev: CodesRef | None) -> QuantizedTensor:
+def load(enc: Encoded, name: str, shape, dtype: str, prev: Codes | None) -> QuantizedTensor:
     """Inverse of store (codes, codebook, side tensors) -> QuantizedTensor."""
     meta = enc.records[name]["meta"]
     try:
@@ -72,7 +82,7 @@ def load(enc: Encoded, name: str, shape, dtype: str, prev: CodesRef | None) -> Q
     if meta.get("delta") and prev is None:
         raise CorruptCheckpointError(f"record {name!r} is a delta but its parent checkpoint has no codes for it")
     try:
-        codes = decode_codes(enc.blob(name, "codes"), prev[0].long() if meta.get("delta") else None)
+        codes = decode_codes(enc.blob(name, "codes"), prev.codes.long() if meta.get("delta") else None)
     except ValueError as e:  # header and record disagree (delta flag, code count): a damaged file
         raise CorruptCheckpointError(f"record {name!r}: {e}") from None
     n = 1
@@ -80,18 +90,22 @@ def load(enc: Encoded, name: str, shape, dtype: str, prev: CodesRef | None) -> Q
         n *= int(d)
     if codes.numel() != n:
         raise CorruptCheckpointError(f"record {name!r} holds {codes.numel()} codes for a tensor of {n} elements")
+    blobs = {k: enc.blob(name, f"side.{k}") for k in side_spec}
+    book = None if meta.get("codebook") is False else enc.blob(name, "codebook")
     try:
-        codebook = torch.empty(0) if meta.get("codebook") is False else \
-            tensor_from_bytes(enc.blob(name, "codebook"), "float32", (n_levels,))
-        side = {k: tensor_from_bytes(enc.blob(name, f"side.{k}"), dt, tuple(shp)) for k, (dt, shp) in side_spec.items()}
+        codebook = torch.empty(0) if book is None else tensor_from_bytes(book, "float32", (n_levels,))
+        side = {k: tensor_from_bytes(blobs[k], dt, tuple(shp)) for k, (dt, shp) in side_spec.items()}
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(f"record {name!r}: {e}") from None
     return QuantizedTensor(codes=codes, n_levels=n_levels, codebook=codebook, shape=tuple(shape), dtype=dtype,
                            side=side, meta=meta)
 
 
-def compact(codes: torch.Tensor) -> torch.Tensor:
-    """Codes in the narrowest dtype that holds them (the reference is the method's memory)."""
+def compact(codes: torch.Tensor, n_levels: int) -> torch.Tensor:
+    """Codes in the narrowest dtype that holds every level (the reference is the method's memory).
+
+    Chosen by ``n_levels``, not by the largest code present: a dequantizer compares codes with its
+    top level (protected, outlier), which a narrower dtype could not represent."""
     codes = codes.detach().reshape(-1).cpu()
-    hi = int(codes.max()) if codes.numel() else 0
+    hi = int(n_levels) - 1
     return codes.to(torch.uint8 if hi < 256 else torch.int16 if hi < 32768 else torch.int32)

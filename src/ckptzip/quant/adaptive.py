@@ -41,7 +41,7 @@ per-row ``lo`` and ``scale`` are in ``side``.
 
 Call order::
 
-    q = quantize(x, AdaptiveConfig(n_bins=16, n_step_bins=50, range_ratio=0.3))
+    q = quantize(x, AdaptiveConfig(bins=16, step_bins=50, range_ratio=0.3))
     y = dequantize(q)                      # x's shape and dtype
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ import torch
 
 from ..errors import ConfigError
 from ..tensorbytes import dtype_name, torch_dtype
-from .base import QuantizedTensor, apply_codebook
+from .base import MIN_NUMEL, QuantizedTensor, apply_codebook, check_min_numel
 from .uniform import flat_float32, uniform_codebook, uniform_codes, uniform_scale, uniform_values
 
 DESCRIPTOR = "adaptive-greedy/1"
@@ -62,24 +62,26 @@ _CHUNK_ELEMS = 1 << 22  # elements per temporary in the loss evaluation (bounds 
 
 # Paper Table 11 (CNR+).
 SEARCH_SPACE: dict[str, tuple] = {
-    "n_bins": (8, 16, 32, 64, 128, 256),
-    "n_step_bins": (10, 25, 50, 100),
+    "bins": (8, 16, 32, 64, 128, 256),
+    "step_bins": (10, 25, 50, 100),
     "range_ratio": (0.1, 0.2, 0.3, 0.4, 0.5),
 }
 
 
 @dataclass(frozen=True)
 class AdaptiveConfig:
-    n_bins: int = 16          # quantization levels, 2 ** bits (Table 11 "Number of bins")
-    n_step_bins: int = 100    # search step = (max - min) / n_step_bins (Table 11 "Number of step bins")
+    bins: int = 16            # quantization levels, 2 ** bits (Table 11 "Number of bins")
+    step_bins: int = 100      # search step = (max - min) / step_bins (Table 11 "Number of step bins")
     range_ratio: float = 0.2  # search stops once the range has shrunk by this fraction (Table 11 "Range")
     row_wise: bool = False    # own range per row of a >= 2-D tensor (Guan et al.'s embedding rows)
+    min_numel: int = MIN_NUMEL  # methods keep smaller tensors exact
 
     def __post_init__(self):
-        if not isinstance(self.n_bins, int) or isinstance(self.n_bins, bool) or not 2 <= self.n_bins <= _MAX_LEVELS:
-            raise ConfigError(f"n_bins must be an int in [2, {_MAX_LEVELS}], got {self.n_bins!r}")
-        if not isinstance(self.n_step_bins, int) or isinstance(self.n_step_bins, bool) or self.n_step_bins < 1:
-            raise ConfigError(f"n_step_bins must be an int >= 1, got {self.n_step_bins!r}")
+        check_min_numel(self)
+        if not isinstance(self.bins, int) or isinstance(self.bins, bool) or not 2 <= self.bins <= _MAX_LEVELS:
+            raise ConfigError(f"AdaptiveConfig.bins must be an int in [2, {_MAX_LEVELS}], got {self.bins!r}")
+        if not isinstance(self.step_bins, int) or isinstance(self.step_bins, bool) or self.step_bins < 1:
+            raise ConfigError(f"AdaptiveConfig.step_bins must be an int >= 1, got {self.step_bins!r}")
         if not isinstance(self.range_ratio, (int, float)) or not 0.0 <= self.range_ratio < 1.0:
             raise ConfigError(f"range_ratio must be a float in [0, 1), got {self.range_ratio!r}")
         if not isinstance(self.row_wise, bool):
@@ -87,8 +89,8 @@ class AdaptiveConfig:
 
     @property
     def n_steps(self) -> int:
-        """Greedy moves: the range shrinks while (n_step_bins - t) > n_step_bins * (1 - range_ratio)."""
-        return max(0, math.ceil(self.range_ratio * self.n_step_bins - 1e-9))  # 0.3 * 10 is 3, not 4
+        """Greedy moves: the range shrinks while (step_bins - t) > step_bins * (1 - range_ratio)."""
+        return max(0, math.ceil(self.range_ratio * self.step_bins - 1e-9))  # 0.3 * 10 is 3, not 4
 
 
 # --------------------------------------------------------------------------- quantize / dequantize
@@ -99,15 +101,15 @@ def quantize(x: torch.Tensor, config: AdaptiveConfig = AdaptiveConfig()) -> Quan
     xf = flat_float32(x, "adaptive")  # (n,)
     row_wise = config.row_wise and x.dim() >= 2 and xf.numel() > 0
     X = xf.view(x.shape[0], -1) if row_wise else xf.view(1, -1)  # (R, C)
-    B = config.n_bins
+    B = config.bins
     if X.numel() == 0:
         lo = hi = torch.zeros((1, 1), dtype=torch.float32, device=xf.device)
         steps = torch.zeros((2, 1, 1), dtype=torch.int64)
     else:
-        lo, hi, steps = greedy_range(X, B, config.n_step_bins, config.n_steps)
+        lo, hi, steps = greedy_range(X, B, config.step_bins, config.n_steps)
     codes, scale = uniform_codes(X, lo, hi, B)  # (R, C), (R, 1)
-    meta = {"descriptor": DESCRIPTOR, "row_wise": row_wise, "n_bins": B,
-            "n_step_bins": config.n_step_bins, "range_ratio": float(config.range_ratio)}
+    meta = {"descriptor": DESCRIPTOR, "row_wise": row_wise, "bins": B,
+            "step_bins": config.step_bins, "range_ratio": float(config.range_ratio)}
     if row_wise:
         codebook = torch.full((B,), float("nan"), dtype=torch.float32, device=xf.device)
         side = {"lo": lo.reshape(-1), "scale": scale.reshape(-1)}

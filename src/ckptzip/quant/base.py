@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import ConfigError
+
+MIN_NUMEL = 1024  # every quantizer config's default ``min_numel``: smaller tensors are left exact
+
 
 @dataclass
 class QuantizedTensor:
@@ -35,3 +39,10 @@ class QuantizedTensor:
 def apply_codebook(codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """codebook[codes] as float32 (plain-torch reference used by every dequantizer)."""
     return codebook.to(torch.float32)[codes.long()]
+
+
+def check_min_numel(config) -> None:
+    """Validate a quantizer config's ``min_numel`` (the methods store smaller tensors exact)."""
+    v = config.min_numel
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"{type(config).__name__}.min_numel must be an int >= 1, got {v!r}")

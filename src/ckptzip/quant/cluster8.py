@@ -29,9 +29,9 @@ How that maps into QuantizedTensor (quant/base.py):
     side     = {"scale": (K,) fp32, "min": (K,) fp32}
     meta     = {"n_clusters", "mean", "std", "boundaries"}
 
-Storage form (``pack``): labels as uint4, two per byte, element 2j in the low nibble and 2j+1 in
-the high nibble (a zero high nibble pads an odd count); values as one uint8 per element; per
-cluster fp32 scale and min, little-endian. That is 1.5 bytes per element + 8 K bytes, ~2.67x for
+Storage form (``pack``): labels as uint4 through codec/bitpack.py (two per byte, element 2j in
+the low nibble and 2j+1 in the high nibble, a zero high nibble pads an odd count); values as one
+uint8 per element; per cluster fp32 scale and min, little-endian. That is 1.5 bytes per element + 8 K bytes, ~2.67x for
 fp32 (the paper's figure). Shape and dtype are kept by the caller's record header.
 
 Call order::
@@ -41,8 +41,8 @@ Call order::
     q2 = unpack(blobs, shape, dtype)      # -> QuantizedTensor equal to q for dequantize
     y = dequantize(q2)                    # x's shape and dtype
 
-``naive_uint8_quantize`` / ``naive_uint8_dequantize`` are the paper's baseline: one min-max
-uint8 grid over the whole tensor (identical to K = 1).
+The paper's naive baseline, one min-max uint8 grid over the whole tensor, is K = 1
+(bench/paper_baselines.py).
 """
 from __future__ import annotations
 
@@ -52,11 +52,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..codec import bitpack
+from ..codec import stages as S
 from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError
 from ..tensorbytes import FLOAT_DTYPES, dtype_name, torch_dtype
 from .base import QuantizedTensor, apply_codebook
 
-DESCRIPTOR = "cluster8/1"
+DESCRIPTOR = S.CLUSTER8.descriptor
 _LEVELS = 256  # uint8 grid per cluster
 _MAX_CLUSTERS = 16  # labels are stored as uint4
 
@@ -122,12 +124,8 @@ def pack(q: QuantizedTensor) -> dict[str, bytes]:
     codes = q.codes.reshape(-1)
     labels = (codes // _LEVELS).to(torch.uint8)
     values = (codes % _LEVELS).to(torch.uint8)
-    if labels.numel() % 2:
-        labels = torch.cat([labels, labels.new_zeros(1)])
-    pairs = labels.view(-1, 2)
-    nibbles = pairs[:, 0] | (pairs[:, 1] << 4)  # element 2j low nibble, 2j+1 high nibble
     return {
-        "labels": nibbles.cpu().numpy().tobytes(),
+        "labels": bitpack.pack(labels, 4).cpu().numpy().tobytes(),  # element 2j low nibble, 2j+1 high
         "values": values.cpu().numpy().tobytes(),
         "scale": q.side["scale"].to(torch.float32).cpu().numpy().astype("<f4").tobytes(),
         "min": q.side["min"].to(torch.float32).cpu().numpy().astype("<f4").tobytes(),
@@ -153,11 +151,7 @@ def unpack(blobs: dict[str, bytes], shape, dtype: str, device: torch.device | st
         raise CorruptCheckpointError(
             f"cluster8 labels/values have {len(lab_b)}/{len(val_b)} bytes, expected {(n + 1) // 2}/{n} for {n} elements"
         )
-    nib = torch.from_numpy(np.frombuffer(lab_b, dtype=np.uint8).copy())
-    labels = torch.stack([nib & 0x0F, nib >> 4], dim=1).reshape(-1)
-    if n % 2 and int(labels[-1]):
-        raise CorruptCheckpointError("cluster8 label padding nibble is set; the record is corrupt")
-    labels = labels[:n].long()
+    labels = bitpack.unpack(lab_b, n, 4).long()  # a set padding nibble raises
     if n and int(labels.max()) >= K:
         raise CorruptCheckpointError(f"cluster8 label {int(labels.max())} out of range for {K} clusters")
     values = torch.from_numpy(np.frombuffer(val_b, dtype=np.uint8).copy()).long()
@@ -176,22 +170,6 @@ def unpack(blobs: dict[str, bytes], shape, dtype: str, device: torch.device | st
         side={"scale": scale, "min": cmin},
         meta={"descriptor": DESCRIPTOR, "n_clusters": K},
     )
-
-
-# --------------------------------------------------------------------------- naive baseline
-def naive_uint8_quantize(x: torch.Tensor) -> QuantizedTensor:
-    """The paper's naive 8-bit baseline: one asymmetric min-max uint8 grid over the whole tensor."""
-    xf = _flat_float(x)
-    labels = torch.zeros_like(xf, dtype=torch.int64)
-    q, cmin, scale = _minmax_uint8(xf, labels, 1)
-    return QuantizedTensor(
-        codes=q, n_levels=_LEVELS, codebook=_codebook(cmin, scale), shape=tuple(x.shape),
-        dtype=dtype_name(x.dtype), side={"scale": scale, "min": cmin}, meta={"descriptor": "naive-uint8/1"},
-    )
-
-
-def naive_uint8_dequantize(q: QuantizedTensor) -> torch.Tensor:
-    return dequantize(q)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -1,4 +1,4 @@
-"""ExCP tensor core: residual, weight-momentum joint pruning, k-means quantization, nibble packing.
+"""ExCP tensor core: residual, weight-momentum joint pruning, k-means quantization of each part.
 
 ExCP (Li et al., 2024, paper 003) compresses one parameter tensor of checkpoint t against
 W~_{t-1}, the *reconstructed* previous weights. The definitions follow the authors' public code
@@ -19,11 +19,13 @@ W~_{t-1}, the *reconstructed* previous weights. The definitions follow the autho
        m' = m * m_mask;  v' = v * m_mask             # v = exp_avg_sq, same mask; both stored directly
 
 4. Each of dW', m', v' is quantized on its own: the non-zeros go through 1-D k-means with
-   ``2**bits - 1`` centers, code 0 is reserved for an exact zero, codes are packed ``8 // bits`` per
-   byte with the FIRST element in the HIGH bits. A part with at most ``2**bits - 1`` non-zeros is
-   stored dense float32 instead (the authors keep it unquantized too: k-means would be pointless).
-5. The container of all records is compressed with LZMA2 (xz, preset 9 | EXTREME; the paper uses
-   7-Zip "ultra", which is LZMA2 as well).
+   ``2**bits - 1`` centers, code 0 is reserved for an exact zero. A part with at most
+   ``2**bits - 1`` non-zeros is stored dense float32 instead (the authors keep it unquantized too:
+   k-means would be pointless). In blob form the codes are packed ``8 // bits`` per byte by
+   codec/bitpack.py (LSB first; ckptzip 0.1 packed the FIRST code in the HIGH bits: meta format
+   ``excp-tensor/1``, still read).
+5. The methods compress the container of all records with LZMA2 (codec/frames.py xz, preset
+   9 | EXTREME; the paper uses 7-Zip "ultra", which is LZMA2 as well).
 
 K-means. The authors call ``faiss.Kmeans(1, 15)``: faiss defaults to 25 Lloyd iterations, seed 1234,
 random-sample init, and trains on a subsample of at most 256 points per centroid (3,840 for 15
@@ -39,32 +41,34 @@ Known defect of the faithful variant (``codebook_dtype="float16"``, as the autho
 exp_avg_sq centers are typically 1e-10..1e-4, all below fp16's smallest normal (6.1e-5), so they
 land on the subnormal grid of step 2**-24 ~ 6e-8; every center below 2**-25 ~ 3e-8 becomes exactly
 0 and an Adam update m / (sqrt(v) + eps) then divides by eps alone. ``codebook_dtype="float32"``
-(``EXCP_FIXED``) keeps them.
+(``excp-fixed``'s default) keeps them.
 
-Call order (what methods/excp.py does per parameter tensor)::
+Call order (what methods/excp.py does per parameter tensor; excp_fixed.py keeps the parts
+unpacked, ``encode_parts`` / ``decode_parts``, and codes their codes in sub-streams)::
 
     dw = residual(w_t, w_prev_hat)                       # float32
     blobs, meta = encode_tensor(dw, exp_avg, exp_avg_sq, config)
-    ...store blobs (dict of bytes) + meta (JSON-able), later lzma_compress(container)...
+    ...store blobs (dict of bytes) + meta (JSON-able) in the xz payload...
     dw_hat, m_hat, v_hat = decode_tensor(blobs, meta)    # zeros where pruned
     w_hat = apply_residual(w_prev_hat, dw_hat)           # next reference, in the weight dtype
 """
 from __future__ import annotations
 
-import lzma
 import math
 from dataclasses import dataclass
 
 import torch
 
+from ..codec import bitpack
+from ..codec import stages as S
 from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError
 from ..tensorbytes import dtype_name, tensor_from_bytes, tensor_to_bytes, torch_dtype
 from .base import QuantizedTensor, apply_codebook
 
-FORMAT = "excp-tensor/1"  # written into every tensor's meta; decode_tensor refuses anything else
-PARTS = ("dw", "m", "v")  # residual, exp_avg, exp_avg_sq
+FORMAT = S.EXCP_TENSOR.descriptor        # written into every tensor's meta: codes packed by codec/bitpack.py
+FORMAT_V1 = S.EXCP_TENSOR_V1.descriptor  # ckptzip 0.1: codes packed MSB first (read only)
+PARTS = ("dw", "m", "v")     # residual, exp_avg, exp_avg_sq
 _CODEBOOK_DTYPES = ("float16", "float32")
-_PACK_BITS = (1, 2, 4, 8)  # widths that tile a byte exactly
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,8 @@ class ExcpConfig:
             raise ConfigError(f"ExcpConfig.alpha must be a finite number > 0 (paper: 5e-5), got {self.alpha}")
         if not (math.isfinite(self.beta) and self.beta >= 0):
             raise ConfigError(f"ExcpConfig.beta must be a finite number >= 0 (paper: 2.0), got {self.beta}")
-        if self.bits not in _PACK_BITS:
-            raise ConfigError(f"ExcpConfig.bits must be one of {_PACK_BITS} (paper: 4), got {self.bits}")
+        if self.bits not in bitpack.WIDTHS:
+            raise ConfigError(f"ExcpConfig.bits must be one of {bitpack.WIDTHS} (paper: 4), got {self.bits}")
         if self.codebook_dtype not in _CODEBOOK_DTYPES:
             raise ConfigError(
                 f"ExcpConfig.codebook_dtype must be one of {_CODEBOOK_DTYPES}, got {self.codebook_dtype!r}"
@@ -93,8 +97,7 @@ class ExcpConfig:
             raise ConfigError(f"ExcpConfig.kmeans_max_iter must be an int >= 1, got {self.kmeans_max_iter!r}")
 
 
-EXCP_FAITHFUL = ExcpConfig()                        # the authors' recipe, fp16 codebooks included
-EXCP_FIXED = ExcpConfig(codebook_dtype="float32")   # same, with codebooks that keep small v centers
+EXCP_FAITHFUL = ExcpConfig()  # the authors' recipe, fp16 codebooks included
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,86 +265,61 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# packing
+# one parameter tensor: its parts
 # ---------------------------------------------------------------------------------------------
-def pack_codes(codes: torch.Tensor, bits: int) -> bytes:
-    """Pack codes (< 2**bits) 8 // bits per byte, FIRST element in the HIGHEST bits; pad with 0."""
-    if bits not in _PACK_BITS:
-        raise ConfigError(f"bits must be one of {_PACK_BITS} to pack whole bytes, got {bits!r}")
-    c = codes.detach().reshape(-1)
-    if c.numel() and (int(c.min()) < 0 or int(c.max()) >= 2 ** bits):
-        raise ValueError(f"codes must lie in [0, {2 ** bits - 1}] for {bits}-bit packing")
-    c = c.to(torch.uint8)
-    per = 8 // bits
-    pad = (-c.numel()) % per
-    if pad:
-        c = torch.cat([c, c.new_zeros(pad)])
-    c = c.reshape(-1, per)  # (n_bytes, per)
-    out = torch.zeros(c.shape[0], dtype=torch.uint8, device=c.device)
-    for i in range(per):
-        out |= c[:, i] << (bits * (per - 1 - i))
-    return tensor_to_bytes(out)
+@dataclass
+class Part:
+    """One part of a parameter: k-means codes + codebook bytes, or dense float32 bytes."""
+
+    mode: str                          # "kmeans" | "dense"
+    codes: torch.Tensor | None = None  # (n,) uint8 on CPU, code 0 = exact zero (kmeans)
+    codebook: bytes = b""              # 2**bits - 1 centers in codebook_dtype, little-endian (kmeans)
+    dense: bytes = b""                 # n float32, little-endian (dense)
+
+    def support(self) -> torch.Tensor:
+        """(n,) bool: where the part is non-zero."""
+        if self.mode == "kmeans":
+            return self.codes != 0
+        return tensor_from_bytes(self.dense, "float32", (len(self.dense) // 4,)) != 0
 
 
-def unpack_codes(buf: bytes | bytearray | memoryview, n: int, bits: int) -> torch.Tensor:
-    """Inverse of pack_codes: (n,) uint8 on CPU. Raises CorruptCheckpointError on a wrong length."""
-    if bits not in _PACK_BITS:
-        raise ConfigError(f"bits must be one of {_PACK_BITS} to unpack whole bytes, got {bits!r}")
-    per = 8 // bits
-    n_bytes = -(-n // per)
-    if n < 0 or len(buf) != n_bytes:
-        raise CorruptCheckpointError(f"packed codes hold {len(buf)} bytes, expected {n_bytes} for {n} {bits}-bit codes")
-    b = tensor_from_bytes(bytes(buf), "uint8", (n_bytes,))
-    mask = 2 ** bits - 1
-    cols = [(b >> (bits * (per - 1 - i))) & mask for i in range(per)]
-    return torch.stack(cols, dim=1).reshape(-1)[:n].contiguous()
-
-
-def pack_nibbles(codes: torch.Tensor) -> bytes:
-    """Two 4-bit codes per byte, first in the high nibble; an odd tail gets a 0 low nibble."""
-    return pack_codes(codes, 4)
-
-
-def unpack_nibbles(buf: bytes | bytearray | memoryview, n: int) -> torch.Tensor:
-    """Inverse of pack_nibbles: (n,) uint8."""
-    return unpack_codes(buf, n, 4)
-
-
-# ---------------------------------------------------------------------------------------------
-# one parameter tensor
-# ---------------------------------------------------------------------------------------------
-def _encode_part(name: str, x: torch.Tensor, config: ExcpConfig, blobs: dict[str, bytes]) -> dict:
-    """Store one pruned part (zeros where pruned) as packed codes + codebook, or dense float32."""
-    flat = x.reshape(-1)
-    nnz = int((flat != 0).sum())
-    if nnz <= 2 ** config.bits - 1:  # too few values for k-means to pay: keep them exact
-        blobs[f"{name}.dense"] = tensor_to_bytes(flat.to(torch.float32))
-        return {"mode": "dense", "nnz": nnz}
+def quantize_part(x: torch.Tensor, config: ExcpConfig) -> Part:
+    """k-means of the non-zeros of x; at most 2**bits - 1 non-zeros are kept dense instead (too few
+    for k-means to pay: the authors keep them unquantized too)."""
+    flat = x.detach().reshape(-1).to(torch.float32)
+    if int((flat != 0).sum()) <= 2 ** config.bits - 1:
+        return Part("dense", dense=tensor_to_bytes(flat))
     q = quantize_nonzeros(flat, bits=config.bits, seed=config.seed, codebook_dtype=config.codebook_dtype,
                           max_iter=config.kmeans_max_iter)
-    blobs[f"{name}.codes"] = pack_codes(q.codes, config.bits)
-    blobs[f"{name}.codebook"] = tensor_to_bytes(q.codebook[1:].to(torch_dtype(config.codebook_dtype)))
-    return {"mode": "kmeans", "nnz": nnz}
+    return Part("kmeans", codes=q.codes.to(torch.uint8).cpu(),
+                codebook=tensor_to_bytes(q.codebook[1:].to(torch_dtype(config.codebook_dtype))))
 
 
-def encode_tensor(dw: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-                  config: ExcpConfig = EXCP_FAITHFUL) -> tuple[dict[str, bytes], dict]:
-    """Prune + quantize one parameter's (residual, exp_avg, exp_avg_sq).
+def part_values(part: Part, n: int, codebook_dtype: str, bits: int) -> torch.Tensor:
+    """(n,) float32 on CPU: 0 for code 0, else the center as float32; or the dense values."""
+    if part.mode == "dense":
+        return tensor_from_bytes(part.dense, "float32", (n,))
+    if part.mode != "kmeans":
+        raise CorruptCheckpointError(f"ExCP part has unknown mode {part.mode!r}")
+    centers = tensor_from_bytes(part.codebook, codebook_dtype, (2 ** bits - 1,))
+    if part.codes is None or part.codes.shape != (n,):
+        raise CorruptCheckpointError(f"ExCP part holds {None if part.codes is None else part.codes.numel()} codes, "
+                                     f"expected {n}")
+    return torch.cat([torch.zeros(1), centers.to(torch.float32)]).index_select(0, part.codes.long())
 
-    Returns (blobs, meta). blobs holds, for each part p in ("dw", "m", "v"), either
-    ``p.codes`` (packed, numel codes) + ``p.codebook`` (2**bits - 1 centers, codebook_dtype,
-    little-endian) or ``p.dense`` (numel float32). meta is JSON-able and holds everything
-    decode_tensor needs (format, shape, bits, codebook dtype, part modes, original m/v dtypes)
-    plus pruning figures (f, thresholds, kept counts) for reports.
+
+def encode_parts(dw: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                 config: ExcpConfig = EXCP_FAITHFUL) -> tuple[dict[str, Part], dict]:
+    """Prune + quantize one parameter's (residual, exp_avg, exp_avg_sq) into its parts dw, m, v.
+
+    meta is JSON-able and holds everything decode_parts needs (format, shape, bits, codebook
+    dtype, part modes, original m/v dtypes) plus pruning figures (f, thresholds, kept counts).
     """
     r = prune(dw, m, v, config)
     zero = torch.zeros((), dtype=torch.float32, device=dw.device)
-    parts = {
-        "dw": torch.where(r.w_mask, dw.to(torch.float32), zero),
-        "m": torch.where(r.m_mask, m.to(torch.float32), zero),
-        "v": torch.where(r.m_mask, v.to(torch.float32), zero),
-    }
-    blobs: dict[str, bytes] = {}
+    parts = {"dw": quantize_part(torch.where(r.w_mask, dw.to(torch.float32), zero), config),
+             "m": quantize_part(torch.where(r.m_mask, m.to(torch.float32), zero), config),
+             "v": quantize_part(torch.where(r.m_mask, v.to(torch.float32), zero), config)}
     meta = {
         "format": FORMAT,
         "shape": [int(s) for s in dw.shape],
@@ -350,11 +328,83 @@ def encode_tensor(dw: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
         "dtypes": {"m": dtype_name(m.dtype), "v": dtype_name(v.dtype)},  # dW is always float32
         "prune": {"f": r.f, "threshold": r.threshold, "m_threshold": r.m_threshold,
                   "w_kept": int(r.w_mask.sum()), "m_kept": int(r.m_mask.sum()), "numel": dw.numel()},
-        "parts": {},
+        "parts": {p: {"mode": part.mode, "nnz": int(part.support().sum())} for p, part in parts.items()},
     }
-    for name in PARTS:
-        meta["parts"][name] = _encode_part(name, parts[name], config, blobs)
+    return parts, meta
+
+
+def read_meta(meta: dict, formats: tuple[str, ...] = (FORMAT, FORMAT_V1)) -> tuple[tuple[int, ...], int, str]:
+    """(shape, bits, codebook dtype) of a tensor meta, validated; CorruptCheckpointError if malformed."""
+    try:
+        if meta["format"] not in formats:
+            raise CorruptCheckpointError(f"ExCP record has format {meta['format']!r}, this reader knows "
+                                         f"{', '.join(formats)}")
+        shape, bits, cb_dtype = tuple(int(s) for s in meta["shape"]), int(meta["bits"]), meta["codebook_dtype"]
+        modes = {meta["parts"][p]["mode"] for p in meta["parts"]}
+        for p in ("m", "v"):
+            torch_dtype(meta["dtypes"][p])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, CorruptCheckpointError):
+            raise
+        raise CorruptCheckpointError(f"ExCP record meta is malformed ({e!r})") from None
+    if bits not in bitpack.WIDTHS or cb_dtype not in _CODEBOOK_DTYPES or any(s < 0 for s in shape):
+        raise CorruptCheckpointError(f"ExCP record meta has bits={bits}, codebook_dtype={cb_dtype!r}, shape={shape}")
+    if not modes <= {"kmeans", "dense"}:
+        raise CorruptCheckpointError(f"ExCP record meta has part modes {sorted(modes)}")
+    return shape, bits, cb_dtype
+
+
+def decode_parts(parts: dict[str, Part], meta: dict, device: torch.device | str = "cpu",
+                 names: tuple[str, ...] = PARTS, formats: tuple[str, ...] = (FORMAT, FORMAT_V1)) -> list[torch.Tensor]:
+    """The parts' values in meta's shape: dw float32, m and v in their recorded dtypes."""
+    shape, bits, cb_dtype = read_meta(meta, formats)
+    n = math.prod(shape)
+    out = []
+    for p in names:
+        if p not in parts:
+            raise CorruptCheckpointError(f"ExCP record lacks its part {p!r}")
+        dtype = torch.float32 if p == "dw" else torch_dtype(meta["dtypes"][p])
+        out.append(part_values(parts[p], n, cb_dtype, bits).reshape(shape).to(device=device, dtype=dtype))
+    return out
+
+
+# --- blob form: each part as p.codes (packed) + p.codebook, or p.dense ------------------------
+def encode_tensor(dw: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                  config: ExcpConfig = EXCP_FAITHFUL) -> tuple[dict[str, bytes], dict]:
+    """:func:`encode_parts` with each part as blobs: ``p.codes`` (codec/bitpack.py, ``bits`` wide) +
+    ``p.codebook`` (2**bits - 1 centers, codebook_dtype, little-endian), or ``p.dense`` (numel float32)."""
+    parts, meta = encode_parts(dw, m, v, config)
+    blobs: dict[str, bytes] = {}
+    for p, part in parts.items():
+        if part.mode == "dense":
+            blobs[f"{p}.dense"] = part.dense
+        else:
+            blobs[f"{p}.codes"] = bitpack.pack(part.codes, config.bits).numpy().tobytes()
+            blobs[f"{p}.codebook"] = part.codebook
     return blobs, meta
+
+
+def parts_from_blobs(blobs: dict[str, bytes], meta: dict) -> dict[str, Part]:
+    """Inverse of encode_tensor's blob form; codes unpacked LSB first (excp-tensor/2) or, in files of
+    ckptzip 0.1 (excp-tensor/1), MSB first."""
+    shape, bits, _ = read_meta(meta)
+    n = math.prod(shape)
+    unpack = bitpack.unpack if meta["format"] == FORMAT else bitpack.unpack_msb_first
+    parts = {}
+    for p in PARTS:
+        if meta["parts"][p]["mode"] == "dense":
+            parts[p] = Part("dense", dense=_blob(blobs, f"{p}.dense"))
+        else:
+            parts[p] = Part("kmeans", codes=unpack(_blob(blobs, f"{p}.codes"), n, bits),
+                            codebook=_blob(blobs, f"{p}.codebook"))
+    return parts
+
+
+def decode_tensor(blobs: dict[str, bytes], meta: dict,
+                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dW^ float32, m^, v^ in their original dtypes), zeros where pruned, all of meta's shape."""
+    dw, m, v = decode_parts(parts_from_blobs(blobs, meta), meta, device)
+    return dw, m, v
 
 
 def _blob(blobs: dict, key: str) -> bytes:
@@ -362,73 +412,3 @@ def _blob(blobs: dict, key: str) -> bytes:
         return blobs[key]
     except KeyError:
         raise CorruptCheckpointError(f"ExCP record lacks its {key!r} blob") from None
-
-
-def decode_tensor(blobs: dict[str, bytes], meta: dict,
-                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dW^ float32, m^, v^ in their original dtypes), zeros where pruned, all of meta's shape."""
-    try:
-        if meta["format"] != FORMAT:
-            raise CorruptCheckpointError(f"ExCP record has format {meta['format']!r}, this reader knows {FORMAT!r}")
-        shape = tuple(int(s) for s in meta["shape"])
-        bits = int(meta["bits"])
-        cb_dtype = meta["codebook_dtype"]
-        dtypes = {"dw": "float32", "m": meta["dtypes"]["m"], "v": meta["dtypes"]["v"]}
-        modes = {name: meta["parts"][name]["mode"] for name in PARTS}
-    except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, CorruptCheckpointError):
-            raise
-        raise CorruptCheckpointError(f"ExCP record meta is malformed ({e!r})") from None
-    if bits not in _PACK_BITS or cb_dtype not in _CODEBOOK_DTYPES or any(s < 0 for s in shape):
-        raise CorruptCheckpointError(f"ExCP record meta has bits={bits}, codebook_dtype={cb_dtype!r}, shape={shape}")
-    n = math.prod(shape)
-    out = []
-    for name in PARTS:
-        if modes[name] == "dense":
-            x = tensor_from_bytes(_blob(blobs, f"{name}.dense"), "float32", (n,))
-        elif modes[name] == "kmeans":
-            codes = unpack_codes(_blob(blobs, f"{name}.codes"), n, bits)
-            centers = tensor_from_bytes(_blob(blobs, f"{name}.codebook"), cb_dtype, (2 ** bits - 1,))
-            table = torch.cat([torch.zeros(1), centers.to(torch.float32)])
-            x = table[codes.long()]
-        else:
-            raise CorruptCheckpointError(f"ExCP part {name!r} has unknown mode {modes[name]!r}")
-        try:
-            dt = torch_dtype(dtypes[name])
-        except TypeError as e:
-            raise CorruptCheckpointError(str(e)) from None
-        out.append(x.reshape(shape).to(device=device, dtype=dt))
-    return out[0], out[1], out[2]
-
-
-# ---------------------------------------------------------------------------------------------
-# final stage
-# ---------------------------------------------------------------------------------------------
-_MAX_DICT = 64 << 20  # preset 9's dictionary
-
-
-def lzma_compress(payload: bytes) -> bytes:
-    """xz container, LZMA2 preset 9 | EXTREME (the paper's 7-Zip ultra is LZMA2 too).
-
-    The dictionary is shrunk to the payload's size (power of two, >= 4 KiB): a dictionary larger
-    than the input finds nothing more, but preset 9 would allocate ~670 MiB for it.
-    """
-    dict_size = min(_MAX_DICT, max(4096, 1 << max(0, len(payload) - 1).bit_length()))
-    filters = [{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME, "dict_size": dict_size}]
-    return lzma.compress(payload, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, filters=filters)
-
-
-def lzma_decompress(blob: bytes, max_bytes: int | None = None) -> bytes:
-    """Inverse of lzma_compress; CorruptCheckpointError on damage or on output beyond max_bytes."""
-    d = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
-    try:
-        out = d.decompress(blob, max_length=-1 if max_bytes is None else max_bytes + 1)
-    except lzma.LZMAError as e:
-        raise CorruptCheckpointError(f"LZMA stream is damaged ({e})") from None
-    if max_bytes is not None and len(out) > max_bytes:
-        raise CorruptCheckpointError(f"LZMA stream expands beyond max_bytes={max_bytes}")
-    if not d.eof:
-        raise CorruptCheckpointError("LZMA stream is truncated")
-    if d.unused_data:
-        raise CorruptCheckpointError(f"LZMA stream is followed by {len(d.unused_data)} stray bytes")
-    return out

@@ -35,7 +35,7 @@ Output layout (QuantizedTensor):
 
 Call order::
 
-    q = quantize(x, GoboConfig(n_bins=16))            # embedding=True uses n_bins_embedding
+    q = quantize(x, GoboConfig(bins=16))              # embedding=True uses embedding_bins
     y = dequantize(q)                                  # x's shape and dtype
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ import torch
 
 from ..errors import ConfigError
 from ..tensorbytes import dtype_name, torch_dtype
-from .base import QuantizedTensor
+from .base import MIN_NUMEL, QuantizedTensor, check_min_numel
 from .uniform import flat_float32
 
 DESCRIPTOR = "gobo-kmedians/1"
@@ -56,8 +56,8 @@ _INITS = ("linear", "quantile")
 
 # Paper Table 12 (GOBO+).
 SEARCH_SPACE: dict[str, tuple] = {
-    "n_bins": (8, 16, 32, 64, 128, 256),
-    "n_bins_embedding": (16, 32),
+    "bins": (8, 16, 32, 64, 128, 256),
+    "embedding_bins": (16, 32),
     "outlier_log_prob": (-4.0,),
     "max_iter": (1000,),
 }
@@ -65,15 +65,17 @@ SEARCH_SPACE: dict[str, tuple] = {
 
 @dataclass(frozen=True)
 class GoboConfig:
-    n_bins: int = 8                 # clusters for ordinary tensors (Table 12; GOBO's 3 bits)
-    n_bins_embedding: int = 16      # clusters for embedding tables (Table 12)
+    bins: int = 8                   # clusters for ordinary tensors (Table 12; GOBO's 3 bits)
+    embedding_bins: int = 16        # clusters for embedding tables (Table 12)
     outlier_log_prob: float = -4.0  # Gaussian log-density below which a value is kept exactly (Table 12)
     max_iter: int = 1000            # iteration cap (Table 12)
     rel_tol: float = 1e-4           # soft termination: stop once the L1 error falls by <= rel_tol relative
     init: str = "linear"            # "linear" (GOBO) or "quantile" centre initialization
+    min_numel: int = MIN_NUMEL      # methods keep smaller tensors exact
 
     def __post_init__(self):
-        for name in ("n_bins", "n_bins_embedding"):
+        check_min_numel(self)
+        for name in ("bins", "embedding_bins"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v < _MAX_LEVELS:
                 raise ConfigError(f"{name} must be an int in [1, {_MAX_LEVELS - 1}], got {v!r}")
@@ -89,11 +91,11 @@ class GoboConfig:
 
 # --------------------------------------------------------------------------- quantize / dequantize
 def quantize(x: torch.Tensor, config: GoboConfig = GoboConfig(), *, embedding: bool = False) -> QuantizedTensor:
-    """Outlier split, then 1-D L1 k-means on the rest; ``embedding`` picks ``n_bins_embedding``."""
+    """Outlier split, then 1-D L1 k-means on the rest; ``embedding`` picks ``embedding_bins``."""
     if not isinstance(config, GoboConfig):
         raise ConfigError(f"config must be a GoboConfig, got {type(config).__name__}")
     xf = flat_float32(x, "gobo")  # (n,)
-    k = config.n_bins_embedding if embedding else config.n_bins
+    k = config.embedding_bins if embedding else config.bins
     mask, mean, std = gaussian_outliers(xf, config.outlier_log_prob)  # (n,) bool
     centers, n_iter, l1 = kmeans_l1_1d(xf[~mask], k, max_iter=config.max_iter, rel_tol=config.rel_tol,
                                        init=config.init)
@@ -105,7 +107,7 @@ def quantize(x: torch.Tensor, config: GoboConfig = GoboConfig(), *, embedding: b
     return QuantizedTensor(
         codes=codes, n_levels=k + 1, codebook=codebook, shape=tuple(x.shape), dtype=dtype_name(x.dtype),
         side={"outliers": outliers},
-        meta={"descriptor": DESCRIPTOR, "n_bins": k, "mean": mean, "std": std,
+        meta={"descriptor": DESCRIPTOR, "bins": k, "mean": mean, "std": std,
               "outlier_log_prob": float(config.outlier_log_prob), "n_outliers": int(outliers.numel()),
               "iterations": n_iter, "l1_error": l1},
     )
@@ -117,7 +119,7 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
     work = torch.float64 if q.dtype == "float64" else torch.float32
     values = q.codebook.to(work).clone()
     values[k] = 0.0  # the NaN placeholder; those positions are overwritten below
-    y = values[q.codes]
+    y = values[q.codes.long()]  # codes may be narrow (uint8): index, never mask
     out = q.side["outliers"]
     mask = q.codes == k
     if int(mask.sum()) != out.numel():

@@ -43,7 +43,7 @@ import torch
 
 from ..errors import ConfigError, NonFiniteError
 from ..tensorbytes import FLOAT_DTYPES, dtype_name, torch_dtype
-from .base import QuantizedTensor, apply_codebook
+from .base import MIN_NUMEL, QuantizedTensor, apply_codebook, check_min_numel
 
 DESCRIPTOR = "uniform-entropy/1"
 _MAX_LEVELS = 1 << 16  # codes stay cheap to histogram and delta-code
@@ -59,8 +59,10 @@ SEARCH_SPACE: dict[str, tuple] = {
 class UniformConfig:
     min_bins: int = 8    # floor on the per-tensor level count (Table 10)
     max_bins: int = 256  # ceiling; also the grid the entropy is measured on (Table 10)
+    min_numel: int = MIN_NUMEL  # methods keep smaller tensors exact
 
     def __post_init__(self):
+        check_min_numel(self)
         for name in ("min_bins", "max_bins"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 2 <= v <= _MAX_LEVELS:

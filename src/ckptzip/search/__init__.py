@@ -23,10 +23,11 @@ Worked example (what ``DynaQuantMethod`` -- and ``qd`` / ``cnr`` / ``gobo`` -- d
     knobs                                                  # {'prune_metric': 'magnitude', 'bins': 8, ...}
     info["search"], info["evals"], info["degradation"]     # 'exhaustive', 31, 0.0093
 """
+from .config import SearchConfig
 from .cube import Candidate, ConfigCube
 from .quality import QualityJudge
-from .spaces import CNRSpace, GoboSpace, QDSpace, SearchSpace, Space
+from .spaces import CNRSpace, DynaQuantSpace, GoboSpace, QDSpace, Space
 from .strategies import Trial, TrialRunner, estimate_bits, exhaustive_search, neighbourhood_search, search_config
 
-__all__ = ["CNRSpace", "Candidate", "ConfigCube", "GoboSpace", "QDSpace", "QualityJudge", "SearchSpace", "Space",
-           "Trial", "TrialRunner", "estimate_bits", "exhaustive_search", "neighbourhood_search", "search_config"]
+__all__ = ["CNRSpace", "Candidate", "ConfigCube", "DynaQuantSpace", "GoboSpace", "QDSpace", "QualityJudge",
+           "SearchConfig", "Space", "Trial", "TrialRunner", "estimate_bits", "exhaustive_search", "neighbourhood_search", "search_config"]

@@ -36,7 +36,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .spaces import PRUNE_METRICS, SearchSpace, Space  # noqa: F401  (re-exported)
+from .spaces import PRUNE_METRICS, DynaQuantSpace, Space  # noqa: F401  (re-exported)
 
 Point = tuple[int, ...]
 
@@ -56,7 +56,7 @@ class ConfigCube:
     """A search space as a grid of axis indices in quality order (see module docstring)."""
 
     def __init__(self, space: Space | None = None, *, embedding: bool = True):
-        self.space = space = space if space is not None else SearchSpace()
+        self.space = space = space if space is not None else DynaQuantSpace()
         axes = space.axes()
         self.knob_names: tuple[str, ...] = tuple(a.knob for a in axes)
         # an embedding-only axis is collapsed to its least aggressive value when nothing uses it
@@ -111,7 +111,7 @@ class ConfigCube:
         more aggressive than p (q <= p componentwise, q != p): the paper's rule that the model
         only gets more sensitive as training goes on."""
         if steps < 0:
-            raise ConfigError(f"search_neighbourhood must be >= 0 steps, got {steps}")
+            raise ConfigError(f"SearchConfig.neighbourhood must be >= 0 steps, got {steps}")
         out = [p]
         ranges = [range(max(0, i - steps), min(n - 1, i + steps) + 1) for i, n in zip(p, self.shape)]
         for q in itertools.product(*ranges):

@@ -6,12 +6,15 @@ pass lists, e.g. from a manifest). It lays itself out as ordered ``Axis`` object
 that quality is monotone along every axis. A categorical knob that is not ordered in quality
 (DynaQuant's prune metric) is a *group*: the search runs once per group value.
 
-    space         method       axes (quality order)                                  group
-    SearchSpace   dynaquant    bins, prune_fraction (desc), protect_fraction,        prune_metric
-                               embedding_bins*
-    QDSpace       qd           min_bins, max_bins                                    -
-    CNRSpace      cnr          n_bins, n_step_bins, range_ratio                      -
-    GoboSpace     gobo         n_bins, n_bins_embedding*, outlier_log_prob           -
+    space           method       axes (quality order)                                  group
+    DynaQuantSpace  dynaquant    bins, prune_fraction (desc), protect_fraction,        prune_metric
+                                 embedding_bins*
+    QDSpace         qd           min_bins, max_bins                                    -
+    CNRSpace        cnr          bins, step_bins, range_ratio                          -
+    GoboSpace       gobo         bins, embedding_bins*, outlier_log_prob               -
+
+Each field of a space is named after the quantizer knob it sets and holds the values that knob may
+take (``DynaQuantSpace(bins=(8, 16))`` lets the search choose ``DynaQuantConfig.bins`` among 8 and 16).
 
     * collapsed to its largest value when the state has no embedding weights.
 
@@ -103,36 +106,36 @@ class Space:
 
 
 @dataclass(frozen=True)
-class SearchSpace(Space):
+class DynaQuantSpace(Space):
     """DynaQuant's space (defaults: the paper's Table 2 / Table 9)."""
 
-    bins: tuple[int, ...] = (4, 6, 8, 12, 16, 32)                        # k, non-embedding layers
-    embedding_bins: tuple[int, ...] = (16, 32)                           # k, embedding layers (never pruned)
-    prune_fractions: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)  # F_prun per layer type
-    prune_metrics: tuple[str, ...] = PRUNE_METRICS                       # searched one after the other
-    protect_fractions: tuple[float, ...] = (0.0005, 0.005, 0.01)         # F_prot
+    bins: tuple[int, ...] = (4, 6, 8, 12, 16, 32)                       # k, non-embedding layers
+    embedding_bins: tuple[int, ...] = (16, 32)                          # k, embedding layers (never pruned)
+    prune_fraction: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)  # F_prun per layer type
+    prune_metric: tuple[str, ...] = PRUNE_METRICS                       # searched one after the other
+    protect_fraction: tuple[float, ...] = (0.0005, 0.005, 0.01)         # F_prot
 
     group_knob: ClassVar[str] = "prune_metric"
     int_fields: ClassVar[dict] = {"bins": (2, 65533), "embedding_bins": (2, 65533)}
-    fraction_fields: ClassVar[tuple] = ("prune_fractions", "protect_fractions")
+    fraction_fields: ClassVar[tuple] = ("prune_fraction", "protect_fraction")
 
     def __post_init__(self):
         super().__post_init__()
-        bad = [m for m in self.prune_metrics if m not in PRUNE_METRICS]
+        bad = [m for m in self.prune_metric if m not in PRUNE_METRICS]
         if bad:
-            raise ConfigError(f"SearchSpace.prune_metrics may hold {PRUNE_METRICS}, got {bad}")
-        if max(self.prune_fractions) + max(self.protect_fractions) >= 1.0:
-            raise ConfigError("SearchSpace: max(prune_fractions) + max(protect_fractions) must be < 1")
+            raise ConfigError(f"DynaQuantSpace.prune_metric may hold {PRUNE_METRICS}, got {bad}")
+        if max(self.prune_fraction) + max(self.protect_fraction) >= 1.0:
+            raise ConfigError("DynaQuantSpace: max(prune_fraction) + max(protect_fraction) must be < 1")
 
     def axes(self):
         return (Axis("bins", tuple(sorted(self.bins))),
-                Axis("prune_fraction", tuple(sorted(self.prune_fractions, reverse=True))),
-                Axis("protect_fraction", tuple(sorted(self.protect_fractions))),
+                Axis("prune_fraction", tuple(sorted(self.prune_fraction, reverse=True))),
+                Axis("protect_fraction", tuple(sorted(self.protect_fraction))),
                 Axis("embedding_bins", tuple(sorted(self.embedding_bins)), embedding=True))
 
     def groups(self, gradients=None):
         # without gradient EMAs, sensitivity falls back to magnitude: the same configs twice
-        return ("magnitude",) if not gradients else self.prune_metrics
+        return ("magnitude",) if not gradients else self.prune_metric
 
     def label(self, knobs):
         return (f"k{knobs['bins']}/e{knobs['embedding_bins']}/prune{knobs['prune_fraction']:g}-"
@@ -167,15 +170,15 @@ class QDSpace(Space):
 class CNRSpace(Space):
     """Check-N-Run's space (Table 11): levels, clipping-search step, how far the range may shrink."""
 
-    n_bins: tuple[int, ...] = adaptive.SEARCH_SPACE["n_bins"]
-    n_step_bins: tuple[int, ...] = adaptive.SEARCH_SPACE["n_step_bins"]
+    bins: tuple[int, ...] = adaptive.SEARCH_SPACE["bins"]
+    step_bins: tuple[int, ...] = adaptive.SEARCH_SPACE["step_bins"]
     range_ratio: tuple[float, ...] = adaptive.SEARCH_SPACE["range_ratio"]
 
-    int_fields: ClassVar[dict] = {"n_bins": _LEVELS, "n_step_bins": (1, 1 << 20)}
+    int_fields: ClassVar[dict] = {"bins": _LEVELS, "step_bins": (1, 1 << 20)}
     fraction_fields: ClassVar[tuple] = ("range_ratio",)
 
     def axes(self):
-        return (Axis("n_bins", tuple(sorted(self.n_bins))), Axis("n_step_bins", tuple(sorted(self.n_step_bins))),
+        return (Axis("bins", tuple(sorted(self.bins))), Axis("step_bins", tuple(sorted(self.step_bins))),
                 Axis("range_ratio", tuple(sorted(self.range_ratio))))
 
 
@@ -183,11 +186,11 @@ class CNRSpace(Space):
 class GoboSpace(Space):
     """GOBO's space (Table 12; its max-iteration cap of 1000 is the quantizer's fixed default)."""
 
-    n_bins: tuple[int, ...] = gobo.SEARCH_SPACE["n_bins"]
-    n_bins_embedding: tuple[int, ...] = gobo.SEARCH_SPACE["n_bins_embedding"]
+    bins: tuple[int, ...] = gobo.SEARCH_SPACE["bins"]
+    embedding_bins: tuple[int, ...] = gobo.SEARCH_SPACE["embedding_bins"]
     outlier_log_prob: tuple[float, ...] = gobo.SEARCH_SPACE["outlier_log_prob"]
 
-    int_fields: ClassVar[dict] = {"n_bins": (1, (1 << 16) - 1), "n_bins_embedding": (1, (1 << 16) - 1)}
+    int_fields: ClassVar[dict] = {"bins": (1, (1 << 16) - 1), "embedding_bins": (1, (1 << 16) - 1)}
 
     def __post_init__(self):
         super().__post_init__()
@@ -196,7 +199,7 @@ class GoboSpace(Space):
             raise ConfigError(f"GoboSpace.outlier_log_prob must hold finite floats, got {bad}")
 
     def axes(self):
-        return (Axis("n_bins", tuple(sorted(self.n_bins))),
-                Axis("n_bins_embedding", tuple(sorted(self.n_bins_embedding)), embedding=True),
+        return (Axis("bins", tuple(sorted(self.bins))),
+                Axis("embedding_bins", tuple(sorted(self.embedding_bins)), embedding=True),
                 # a higher log-density threshold keeps more values exact: better quality
                 Axis("outlier_log_prob", tuple(sorted(float(x) for x in self.outlier_log_prob))))

@@ -9,8 +9,8 @@ Per checkpoint (Inshrinkerator section 5), with a user ``eval_fn`` and ``thresho
   ``ctx.gradients`` is None.
 - **neighbourhood** (steady state): with a group knob, first the previous best under both group
   values; switch when the other one's degradation is lower by more than ``METRIC_SWITCH_MARGIN`` x
-  threshold. Then the points within ``search_neighbourhood`` cube steps of the previous best (minus
-  the more aggressive ones under ``search_policy="monotone"``), ordered by estimated ratio, are
+  threshold. Then the points within ``search.neighbourhood`` cube steps of the previous best (minus
+  the more aggressive ones under ``search.policy="monotone"``), ordered by estimated ratio, are
   evaluated until the first feasible one.
 - **fallback**: nothing in the neighbourhood is feasible -> the exhaustive search again. If no
   config at all passes, the least aggressive one (the cube's top corner, best group) is chosen
@@ -18,7 +18,7 @@ Per checkpoint (Inshrinkerator section 5), with a user ``eval_fn`` and ``thresho
 
 The paper extends this search to its baselines (section 8.2, Tables 10-12), each with its own
 space: DynaQuant, QD, CNR and GOBO all run through this module. What a method must provide
-(methods/searching.py, ``SearchingMethod``): ``config.space()`` (search/spaces.py),
+(methods/quantizing.py, ``QuantizingMethod``): ``space()`` (search/spaces.py),
 ``search_records(state)`` (the weights the search judges), ``search_quantize(state, knobs,
 gradients)`` -> {name: QuantizedTensor}, ``search_dequantize(q)``, and ``search_coding``: how its
 encoder codes the codes, for the ratio estimate.
@@ -31,7 +31,7 @@ H(delta) (QD: Huffman on the plain cyclic delta); "plain": H(codes) (no delta). 
 tensors' raw bits (protected values, outliers, per-row ranges) and 32 bits per codebook entry.
 bench/search.py measures its rank correlation with the real encoded sizes.
 
-Call order (methods/searching.py ``SearchingMethod.choose_knobs``)::
+Call order (methods/quantizing.py ``QuantizingMethod.choose_knobs``)::
 
     knobs, info, search_state = search_config(method, state, reference, ctx, search_state)
     # knobs: the method config overrides for this checkpoint ({} when nothing is quantizable);
@@ -83,20 +83,20 @@ class Trial:
 
 def estimate_bits(quantized: dict, reference=None, *, coding: str = "conditional") -> tuple[float, float]:
     """(estimated encoded bits, raw bits) of quantized weights (name -> QuantizedTensor), coded
-    against ``reference.data[name] = (codes, n_levels)`` where the reference has them (see the
+    against ``reference.weights[name]`` (a qrecord.Codes) where the reference has them (see the
     module docstring for ``coding``)."""
     if coding not in CODINGS:
         raise ConfigError(f"coding must be one of {CODINGS}, got {coding!r}")
-    ref = reference.data if (reference is not None and coding != "plain") else {}
+    ref = getattr(reference, "weights", {}) if (reference is not None and coding != "plain") else {}
     est = raw = 0.0
     for name, q in quantized.items():
         codes = q.codes.reshape(-1)
         n = codes.numel()
         raw += n * torch_dtype(q.dtype).itemsize * 8
         p = ref.get(name)
-        if p is not None and p[0].numel() == n:
-            B = max(int(q.n_levels), int(p[1]))
-            prev = p[0].reshape(-1).to(codes.device, torch.int64)
+        if p is not None and p.codes.numel() == n:
+            B = max(int(q.n_levels), int(p.n_levels))
+            prev = p.codes.reshape(-1).to(codes.device, torch.int64)
             delta = torch.remainder(codes.long() - prev, B)
             if coding == "conditional":
                 est += entropy_bits(prev * B + delta) - entropy_bits(prev)  # H(delta | prev code)
@@ -255,9 +255,9 @@ def _json_float(x: float) -> float | None:
 def search_config(method, state, reference, ctx, search_state, *, group=None):
     """Choose this checkpoint's quantizer knobs. Returns (knobs, info, new search_state).
 
-    ``method.config`` supplies ``search_policy``, ``search_neighbourhood`` and ``space()`` (the
-    method's search space, from its ``search_space`` field); the method itself the quantizer (see
-    the module docstring). ``search_state`` is what the previous call returned (None at first).
+    ``method.config.search`` supplies ``policy`` and ``neighbourhood``, ``method.space()`` the
+    method's search space; the method itself the quantizer (see the module docstring).
+    ``search_state`` is what the previous call returned (None at first).
     """
     t0 = time.perf_counter()
     mcfg = method.config
@@ -265,7 +265,7 @@ def search_config(method, state, reference, ctx, search_state, *, group=None):
     recs = method.search_records(state)
     if not recs:
         return {}, {"search": "none", "reason": "no quantizable weights"}, search_state
-    space = mcfg.space()
+    space = method.space()
     cube = ConfigCube(space, embedding=any(r.layer_type == "embedding" for r in recs.values()))
     groups = space.groups(ctx.gradients)
     st = dict(search_state or {})
@@ -276,8 +276,8 @@ def search_config(method, state, reference, ctx, search_state, *, group=None):
         prev = cube.from_knobs(st.get("best"))
         if prev is not None:
             best, extra = neighbourhood_search(
-                runner, cube, prev, groups, steps=int(mcfg.search_neighbourhood),
-                monotone=mcfg.search_policy == "monotone", threshold=ctx.threshold)
+                runner, cube, prev, groups, steps=int(mcfg.search.neighbourhood),
+                monotone=mcfg.search.policy == "monotone", threshold=ctx.threshold)
             kind = "neighbourhood" if best is not None else "fallback"
         if best is None:
             best, infeasible = exhaustive_search(runner, cube, groups)

@@ -1,0 +1,248 @@
+"""The quantizing methods' template: ``dynaquant``, ``qd``, ``cnr`` and ``gobo`` share this loop.
+
+A quantizing method says only how it quantizes weights and how it dequantizes one; this module
+runs everything else. Per checkpoint::
+
+    1. knobs = the config search's choice (search/, when the caller gives eval_fn) or {}
+    2. weights: method.quantize_weights(state, records, replace(config.quantizer, **knobs), gradients)
+    3. moments: methods/moments.py, the same recipe for all four methods
+    4. codes: methods/qrecord.py, a cyclic delta against the previous save's codes where the method
+       deltas (``delta_weights``: dynaquant, qd), coded as ``config.codes`` says
+    5. every other record exact (methods/base.encode_exact)
+
+Decode: exact records; weights (``dequantize_weight``, against the reference's codes); moments
+(moments.decode_moments). The reference is a ``QuantizedReference``: the weights' codes (and the
+moments' when they delta), so the next save codes only what changed.
+
+Every config nests its quantizer's config, so every knob reaches a chain::
+
+    get_method("dynaquant", {"quantizer": {"bins": 8, "domain": "sqrt"}, "moments": {"bins": 32},
+                             "codes": {"coder": "huffman"}, "search": {"policy": "free"}})
+
+Search hooks (search/strategies.py): ``space()``, ``search_records``, ``search_quantize``,
+``search_dequantize``, ``search_coding`` (how the codes are coded, for the ratio estimate).
+"""
+from __future__ import annotations
+
+import time
+from abc import abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import ClassVar
+
+import torch
+
+from ..codec import stages as S
+from ..codec.entropy import CODERS
+from ..errors import ConfigError, CorruptCheckpointError
+from ..quant import dynaquant as dq
+from ..quant.base import QuantizedTensor
+from ..search.config import SearchConfig
+from ..search.spaces import Space
+from ..state import FlatState, TensorRecord
+from . import moments, qrecord
+from .base import DecodeContext, EncodeContext, Encoded, Method, Reference, decode_exact, encode_exact, is_exact
+
+CODER_CHOICES = ("auto", *CODERS)
+
+
+@dataclass(frozen=True)
+class CodesConfig:
+    """How the integer codes are coded (Inshrinkerator section 6)."""
+
+    coder: str = "auto"       # "auto" (per tensor, qrecord.choose_coder) | "huffman" | "ans" | "zstd"
+    rearrange: bool = True    # group deltas by source bucket before RLE (section 6.3); fixed coders only
+    rle: bool = True          # fixed coders only; coder="huffman" with both is the paper's encoder
+
+    def __post_init__(self):
+        if self.coder not in CODER_CHOICES:
+            raise ConfigError(f"CodesConfig.coder must be one of {CODER_CHOICES}, got {self.coder!r}")
+
+
+PAPER_BASELINE_CODES = CodesConfig("huffman", rearrange=False, rle=False)  # the baselines' own encoders
+
+
+@dataclass(frozen=True)
+class QuantizingMethodConfig:
+    """Base of the four methods' configs; each subclass gives ``quantizer`` its quantizer's config class."""
+
+    quantizer: object = None   # e.g. quant.dynaquant.DynaQuantConfig (set by the subclass)
+    moments: moments.MomentConfig = field(default_factory=moments.MomentConfig)
+    codes: CodesConfig = field(default_factory=CodesConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+
+
+@dataclass(frozen=True)
+class QuantizedReference(Reference):
+    """The previous save's codes: weights' (delta methods) and moments' (``MomentConfig.delta``)."""
+
+    weights: Mapping[str, qrecord.Codes] = field(default_factory=dict)
+    moments: moments.MomentReference | None = None
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        yield from (c.codes for c in self.weights.values())
+        if self.moments is not None:
+            yield from self.moments.tensors()
+
+
+class QuantizingMethod(Method):
+    """The template (see the module docstring); subclasses set the class attributes and two hooks."""
+
+    space_cls: ClassVar[type[Space]]   # the method's search space (search/spaces.py)
+    delta_weights: ClassVar[bool]      # weight codes are cyclic deltas against the previous save's
+    uses_gradients: ClassVar[bool] = False
+
+    def __init__(self, config=None, **overrides):
+        super().__init__(config, **overrides)
+        self.space()  # validates config.search.space now rather than at the first save
+        self.search_state = None  # the config search's memory between saves (previous best, ...)
+
+    # --- what a method supplies ---------------------------------------------------------------
+    @abstractmethod
+    def quantize_weights(self, state: FlatState, records: Mapping[str, TensorRecord], qconfig,
+                         gradients: Mapping[str, torch.Tensor] | None) -> Iterator[tuple[str, QuantizedTensor]]:
+        """Quantize ``records`` of ``state`` under ``qconfig``, one (name, QuantizedTensor) at a time.
+        ``gradients``: parameter name -> gradient EMA (sensitivity), or None."""
+
+    @abstractmethod
+    def dequantize_weight(self, q: QuantizedTensor) -> torch.Tensor:
+        """The inverse the decoder applies to one weight."""
+
+    # --- search hooks -------------------------------------------------------------------------
+    def space(self) -> Space:
+        return self.space_cls.from_any(self.config.search.space)
+
+    @property
+    def search_coding(self) -> str:
+        """How the codes are coded, for the search's ratio estimate (search.strategies.estimate_bits)."""
+        if not self.delta_weights:
+            return "plain"
+        c = self.config.codes
+        return "conditional" if c.rearrange or c.coder == "auto" else "delta"
+
+    def search_records(self, state: FlatState) -> dict[str, TensorRecord]:
+        """The weights the quantizer covers: float, of a quantizable layer type, large enough, finite."""
+        min_numel = self.config.quantizer.min_numel
+        return {n: r for n, r in state.records.items()
+                if r.role == "weight" and r.is_float
+                and dq.is_quantizable(r.layer_type, "weight", r.numel, min_numel=min_numel)
+                and bool(torch.isfinite(state.tensors[n]).all())}
+
+    def search_quantize(self, state: FlatState, knobs: dict, gradients=None) -> dict[str, QuantizedTensor]:
+        """Quantize every ``search_records`` weight under the quantizer config with ``knobs`` replaced."""
+        qcfg = replace(self.config.quantizer, **knobs) if knobs else self.config.quantizer
+        return self._quantize(state, qcfg, gradients)
+
+    def search_dequantize(self, q: QuantizedTensor) -> torch.Tensor:
+        return self.dequantize_weight(q)
+
+    def choose_knobs(self, state: FlatState, reference, ctx: EncodeContext) -> tuple[dict, dict]:
+        """This checkpoint's quantizer knob overrides and the search info for the manifest summary."""
+        if not (self.config.search.enabled and ctx.eval_fn is not None and ctx.model is not None):
+            return {}, {"search": "off"}
+        from ..search.strategies import search_config  # search/ imports methods lazily too
+
+        knobs, info, self.search_state = search_config(self, state, reference, ctx, self.search_state)
+        return knobs, info
+
+    def resume(self, method_meta: dict) -> None:
+        if self.search_state is None and isinstance(method_meta.get("search_state"), dict):
+            self.search_state = method_meta["search_state"]
+
+    # --- the loop -----------------------------------------------------------------------------
+    def _quantize(self, state: FlatState, qcfg, gradients) -> dict[str, QuantizedTensor]:
+        out = {}
+        for name, q in self.quantize_weights(state, self.search_records(state), qcfg, gradients):
+            # narrow codes at once: int64 codes of the whole state would peak at 2x its size
+            q.codes = qrecord.compact(q.codes, q.n_levels)
+            out[name] = q
+        return out
+
+    def encode(self, state: FlatState, reference: Reference | None, *, ctx: EncodeContext) -> tuple[Encoded, Reference]:
+        cfg = self.config
+        t0 = time.perf_counter()
+        knobs, search_info = self.choose_knobs(state, reference, ctx)
+        search_s = time.perf_counter() - t0
+        qcfg = replace(cfg.quantizer, **knobs) if knobs else cfg.quantizer
+        prev = reference if isinstance(reference, QuantizedReference) else None
+        if reference is not None and prev is None:
+            raise ConfigError(f"{self.name} was given a reference it did not make; pass the Reference its "
+                              "encode/decode returned, or None for a keyframe")
+        quantized = self._quantize(state, qcfg, ctx.gradients)
+        weights = set(quantized)
+        quantized.update(moments.quantize_moments(state, cfg.moments))
+        enc = Encoded(keyframe=prev is None or not (self.delta_weights or cfg.moments.delta))
+        stage = S.QUANTIZED_RECORD[self.name].descriptor  # the qrecord layout, unchanged since v0.1
+        codes_w, codes_m = {}, {}
+        for name, rec in state.records.items():
+            q = quantized.get(name)
+            if q is None:
+                encode_exact(enc, name, state.tensors[name])
+                continue
+            is_w = name in weights
+            p = None if enc.keyframe else (prev.weights.get(name) if is_w else
+                                           prev.moments.codes.get(name) if prev.moments is not None else None)
+            meta = {k: v for k, v in q.meta.items() if k in _RECORD_META}
+            c = qrecord.store(enc, name, q, p, method=stage, coder=cfg.codes.coder, rearrange=cfg.codes.rearrange,
+                              rle=cfg.codes.rle, meta=meta)
+            (codes_w if is_w else codes_m)[name] = c
+        enc.meta["summary"] = {**{k: getattr(qcfg, k) for k in self._knob_names()}, **search_info,
+                               "search_s": round(search_s, 3)}
+        if self.search_state is not None:
+            enc.meta["search_state"] = self.search_state  # read back by resume() after a restart
+        return enc, self._reference(ctx.step, codes_w, codes_m)
+
+    def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
+               *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
+        prev = reference if isinstance(reference, QuantizedReference) else None
+        out: dict[str, torch.Tensor] = {}
+        codes_w, moment_records = {}, {}
+        for name, rec in records.items():
+            if is_exact(encoded, name):
+                out[name] = decode_exact(encoded, name, rec)
+            elif rec.role != "weight":
+                moment_records[name] = rec
+            else:
+                q = qrecord.load(encoded, name, rec.shape, rec.dtype, prev.weights.get(name) if prev else None)
+                try:
+                    out[name] = self.dequantize_weight(q)
+                except ValueError as e:
+                    raise CorruptCheckpointError(f"record {name!r}: {e}") from None
+                codes_w[name] = qrecord.Codes(qrecord.compact(q.codes, q.n_levels), q.n_levels)
+        mref = moments.decode_moments(encoded, moment_records, prev.moments if prev else None, out,
+                                      self.config.moments)
+        ref = self._reference(ctx.step, codes_w, mref.codes if mref is not None else {})
+        return {n: t.to(ctx.device) for n, t in out.items()}, ref
+
+    def _reference(self, step: int, codes_w: dict, codes_m: dict) -> QuantizedReference:
+        return QuantizedReference(step, codes_w if self.delta_weights else {},
+                                  moments.MomentReference(codes_m) if self.config.moments.delta else None)
+
+    def _knob_names(self) -> tuple[str, ...]:
+        """The quantizer knobs the search chooses (what ``ckptzip ls`` shows as the chosen config)."""
+        space = self.space_cls()
+        return ((space.group_knob,) if space.group_knob else ()) + tuple(a.knob for a in space.axes())
+
+
+# quantizer facts worth keeping in a quantized record's meta (decode reads only ``adam`` and qrecord's own)
+_RECORD_META = ("domain", "k", "n_pruned", "n_protected", "adam", "prune_threshold", "sensitivity_fallback")
+
+
+def upgrade_v1_config(d: dict) -> dict:
+    """A v0.1 (flat) dynaquant / qd / cnr / gobo config dict -> the nested layout of version 2."""
+    renames = {"n_bins": "bins", "n_step_bins": "step_bins", "n_bins_embedding": "embedding_bins",
+               "prune_fractions": "prune_fraction", "protect_fractions": "protect_fraction",
+               "prune_metrics": "prune_metric"}
+    d = dict(d)
+    space = d.pop("search_space", None)
+    out = {"search": {"enabled": d.pop("search", True), "policy": d.pop("search_policy", "monotone"),
+                      "neighbourhood": d.pop("search_neighbourhood", 1),
+                      "space": {renames.get(k, k): v for k, v in space.items()} if isinstance(space, dict) else None},
+           "moments": {"codec": "normalized" if d.pop("optimizer", "quantize") == "quantize" else "exact",
+                       "bins": d.pop("moment_bins", 16), "delta": d.pop("delta_moments", False),
+                       "min_numel": d.get("min_numel", 1024)}}
+    codes = {k: d.pop(k) for k in [f.name for f in fields(CodesConfig)] if k in d}
+    if codes:
+        out["codes"] = codes
+    out["quantizer"] = {renames.get(k, k): v for k, v in d.items()}
+    return out
