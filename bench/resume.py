@@ -224,6 +224,38 @@ VARIANTS = {**CONTROLS, **RECIPES}
 # ---------------------------------------------------------------------------------------------
 # one resume
 
+LOOKAHEAD = 10  # 1 / (1 - beta1): the steps of displacement Adam's momentum still carries
+
+
+def _updates(flat, tensors) -> dict[str, torch.Tensor]:
+    """param name -> lr * the update direction the optimizer state holds (Adam: m_hat / (sqrt(v_hat)
+    + eps); SGD: the momentum buffer)."""
+    lr_of = {str(i): float(g["lr"]) for g in flat.skeleton["optimizer"]["param_groups"] for i in g["params"]}
+    out = {}
+    for mn, vn, hp in _adam_params(flat):
+        d = tensors[mn].float() / (1 - hp.beta1 ** hp.step) / M.denominator(tensors[vn], hp).reshape(tensors[mn].shape)
+        out[flat.records[mn].param] = lr_of[mn.split("/")[2]] * d
+    for n in _moment_names(flat, "momentum_buffer"):
+        out[flat.records[n].param] = lr_of[n.split("/")[2]] * tensors[n].float()
+    return out
+
+
+def lookahead(wl, snap: dict, flat, restored: dict) -> float:
+    """Relative eval change between the weights moved LOOKAHEAD steps along the restored update
+    direction and along the exact one (no new gradients): a proxy for the momentum's pending
+    displacement that a restored state gets wrong. Needs only the model and eval_fn, as a save does."""
+    model, _, _ = wl.build(0)
+    scores = []
+    for tensors in (flat.tensors, {**flat.tensors, **restored}):
+        model.load_state_dict(snap["model"])
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, u in _updates(flat, tensors).items():
+                params[name].sub_(LOOKAHEAD * u.to(params[name].dtype))
+        scores.append(wl.eval_fn(model))
+    return (scores[1] - scores[0]) / abs(scores[0])
+
+
 def _params(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
 
@@ -293,14 +325,19 @@ def study(name: str, variants: list[str], k_steps: int, cache: pathlib.Path) -> 
         if log.exists() else {}
     flats = {step: flatten_state({"model": snap["model"], "optimizer": snap["optimizer"]}, model, opt)
              for step, snap in snaps.items()}
-    rows = []
+    rows, backfilled = [], False
     for v in ["exact", *[v for v in variants if v != "exact"]]:
         for step, snap in sorted(snaps.items()):
             if (step, v) not in done:
                 done[(step, v)] = _row(wl, name, step, snap, flats[step], v, k_steps, cache)
                 with log.open("a") as f:
                     f.write(json.dumps(done[(step, v)]) + "\n")
+            elif "look" not in done[(step, v)]:  # a proxy added after the row was measured
+                done[(step, v)]["look"] = lookahead(wl, snap, flats[step], VARIANTS[v](flats[step])[0])
+                backfilled = True
             rows.append(done[(step, v)])
+    if backfilled:
+        log.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
     return rows
 
 
@@ -316,7 +353,7 @@ def _row(wl, name: str, step: int, snap: dict, flat, v: str, k_steps: int, cache
     return {"workload": name, "step": step, "variant": v, "metric": r["metric"][k_steps],
             "rel": (r["window"] - exact["window"]) / abs(exact["window"]), "rel_end": rel[k_steps],
             "rel10": rel[10], "rel50": rel[50], "bits": None if nbytes is None else 8 * nbytes / n_mom,
-            "dir": _direction_error(flat, restored),
+            "dir": _direction_error(flat, restored), "look": lookahead(wl, snap, flat, restored),
             "upd1": float((r["params"][1] - r["theta0"] - d1_ref).norm() / d1_ref.norm()),
             "div10": float((r["params"][10] - exact["params"][10]).norm()
                            / (exact["params"][10] - exact["theta0"]).norm()),
@@ -365,7 +402,7 @@ def report(rows: list[dict], k_steps: int) -> str:
         y = [r["rel"] for r in pool]
         lines.append("\nSpearman rank correlation with the " + f"{k_steps}-step change ({len(pool)} rows): "
                      + ", ".join(f"{p} {spearman([r[p] for r in pool], y):+.2f}"
-                                 for p in ("dir", "upd1", "div10", "rel10", "rel50")))
+                                 for p in ("dir", "look", "upd1", "div10", "rel10", "rel50")))
     return "\n".join(lines)
 
 

@@ -53,6 +53,9 @@ def store(enc: Encoded, name: str, q: QuantizedTensor, prev: Codes | None, *, me
     return Codes(compact(q.codes, q.n_levels), q.n_levels)
 
 
+# quantizer facts worth keeping in a quantized record's meta (decoders read only ``adam`` and qrecord's own)
+RECORD_META = ("domain", "k", "n_pruned", "n_protected", "adam", "prune_threshold", "sensitivity_fallback")
+
 AUTO_RUNS_ABOVE = 0.8  # share of unchanged codes above which runs of zero deltas pay for RLE
 
 

@@ -243,6 +243,7 @@ class GridCodec:
     group: int = 256          # elements per m scale
     prune: float = 0.0        # share of m zeroed by magnitude
     normalize: str = "true"   # u = m / D ("true") or m / D_q ("decoded")
+    sgd_bits: int = 3         # SGD momentum buffers (no v: the buffer is the update direction)
 
     def __post_init__(self):
         if not self.v_step > 0:
@@ -253,6 +254,7 @@ class GridCodec:
             raise ConfigError(f"GridCodec.normalize must be one of {NORMALIZE}, got {self.normalize!r}")
         if self.m_bits:
             levels_table(self.m_bits, self.prune)
+        levels_table(self.sgd_bits, 0.0)
         if not isinstance(self.group, int) or self.group < 1:
             raise ConfigError(f"GridCodec.group must be an int >= 1, got {self.group!r}")
 
