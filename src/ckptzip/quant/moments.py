@@ -238,7 +238,7 @@ class GridCodec:
     """How one (m, v) pair is quantized (see the module docstring for each knob)."""
 
     v_step: float = 1.0       # log2 units of D per level
-    factored: bool = False    # v codes as residuals of row + column effects (2-D tensors)
+    factored: bool = True     # keyframes code v as residuals of row + column effects (2-D tensors)
     m_bits: int = 1           # 1 (sign), 2 or 3; 0: m is not stored (restored as zeros)
     group: int = 256          # elements per m scale
     prune: float = 0.0        # share of m zeroed by magnitude
