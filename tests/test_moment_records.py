@@ -1,70 +1,126 @@
-"""methods/momentgrid.py: the grid moment codec as chain records (delta v levels, typed errors)."""
+"""methods/moments.py through real chains: the grid codec's records, deltas, unknown optimizer
+state kept exact, typed errors for inconsistent records."""
 import pytest
 import torch
 
+from ckptzip import CheckpointChain, KeyframePolicy
 from ckptzip.errors import CorruptCheckpointError
-from ckptzip.methods import momentgrid as G
-from ckptzip.methods.base import Encoded
+from ckptzip.format import decode_container
+from ckptzip.methods.base import DecodeContext, get_method
 from ckptzip.quant import moments as M
+from ckptzip.state import flatten_state
 
 
-@pytest.fixture(scope="module")
-def pairs(digits_snapshots):
-    """[(m, v, hp)] of the digits MLP's first layer at two consecutive checkpoints (20 steps apart)."""
-    _, _, snaps, _ = digits_snapshots
-    out = []
-    for s in snaps[-2:]:
+def _save_all(ch, model, opt, snaps):
+    return [ch.save({"model": s.model, "optimizer": s.optimizer}, s.step, model=model, optimizer=opt) for s in snaps]
+
+
+def test_grid_chain_decodes_as_the_quantizer_does(tmp_path, digits_snapshots):
+    torch.set_num_threads(1)
+    model, opt, snaps, _ = digits_snapshots
+    ch = CheckpointChain(tmp_path, "dynaquant", keyframe=KeyframePolicy(every=3))
+    entries = _save_all(ch, model, opt, snaps[:4])
+    assert [e.keyframe for e in entries] == [True, False, False, True]
+    for e, s in zip(entries, snaps):
+        man = decode_container(ch.storage.read(e.file)).manifest
+        v = man["records"]["optimizer/state/0/exp_avg_sq"]
+        # v: levels delta against the parent's in delta files, factored residuals in keyframes
+        assert v["pipeline"] == (["moment-grid/1", "ans/1"] if e.keyframe else
+                                 ["moment-grid/1", "cyclic-delta/1", "ans/1"])
+        assert v["meta"]["factored"] is e.keyframe
+        out = ch.load(s.step)["optimizer"]["state"][0]
         st = s.optimizer["state"][0]
-        out.append((st["exp_avg"], st["exp_avg_sq"], M.AdamHP(float(st["step"]))))
-    return out
+        hp = M.AdamHP(float(st["step"]))
+        m_ref, v_ref = M.decode_pair(*M.encode_pair(st["exp_avg"], st["exp_avg_sq"], hp, M.GridCodec()), hp)
+        assert torch.equal(out["exp_avg_sq"], v_ref) and torch.equal(out["exp_avg"], m_ref)
+        assert torch.equal(out["step"], st["step"])
+    # deltas of v are smaller than its keyframe
+    assert entries[1].bytes_by_role["exp_avg_sq"][1] < entries[0].bytes_by_role["exp_avg_sq"][1]
+    assert ch.verify() == []
 
 
-def _roundtrip(codec, m, v, hp, prev=None, prev_dec=None):
-    enc = Encoded()
-    ref = G.store_adam(enc, "m", "v", m, v, hp, codec, prev)
-    v_q, dv, ref_dec = G.load_v(enc, "v", v.shape, "float32", prev_dec)
-    m_q = G.load_direction(enc, "m", m.shape, "float32", dv)
-    return enc, ref, ref_dec, m_q, v_q
+def test_sgd_bf16_and_unknown_optimizer_state(tmp_path):
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    net[2].to(torch.bfloat16)
+    groups = [{"params": net[0].parameters()}, {"params": net[2].parameters()}]
+    opts = {"sgd": torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+            "adam-bf16": torch.optim.Adam(groups, lr=1e-3),
+            "amsgrad": torch.optim.Adam(net.parameters(), lr=1e-3, amsgrad=True),
+            "adagrad": torch.optim.Adagrad(net.parameters(), lr=1e-2)}
+    for kind, opt in opts.items():
+        x = torch.randn(32, 64)
+        for _ in range(3):
+            net[2](net[1](net[0](x)).bfloat16()).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        ch = CheckpointChain(tmp_path / kind, "dynaquant")
+        state = {"model": net.state_dict(), "optimizer": opt.state_dict()}
+        ch.save(state, 1, model=net, optimizer=opt)
+        out = ch.load()["optimizer"]["state"]
+        man = decode_container(ch.storage.read(ch.entry().file)).manifest["records"]
+        for i, st in opt.state_dict()["state"].items():
+            for key, t in st.items():
+                first = man[f"optimizer/state/{i}/{key}"]["pipeline"][0]
+                assert out[i][key].dtype == t.dtype, (kind, key)
+                if kind == "adagrad" or key in ("max_exp_avg_sq", "step") or t.numel() < 1024:
+                    assert first == "exact/1" and torch.equal(out[i][key], t), (kind, key)  # never loses state
+                else:
+                    assert first.startswith("moment-"), (kind, key)
+        if kind in ("adagrad", "amsgrad"):  # `ckptzip inspect` lists what was kept exact
+            from ckptzip.tables import exact_optimizer_state, record_rows
+
+            listed = exact_optimizer_state(record_rows(decode_container(ch.storage.read(ch.entry().file)).manifest))
+            assert ("sum x4" if kind == "adagrad" else "max_exp_avg_sq x4") in listed
+        if kind == "sgd":
+            mb, ref = out[0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"]
+            assert float((mb - ref).norm() / ref.norm()) < 0.3  # 3 bits
+        if kind == "adam-bf16":
+            assert man["optimizer/state/2/exp_avg"]["pipeline"][0] == "moment-direction/1"  # a bf16 moment
 
 
-@pytest.mark.parametrize("codec", [M.GridCodec(1.0), M.GridCodec(0.5, factored=True, m_bits=2),
-                                   M.GridCodec(1.0, m_bits=0)])
-def test_chain_of_two(pairs, codec):
-    (m0, v0, hp0), (m1, v1, hp1) = pairs
-    enc0, ref0, dref0, _, _ = _roundtrip(codec, m0, v0, hp0)
-    assert torch.equal(ref0[0], dref0[0])  # the decoder rebuilds the encoder's reference
-    enc1, ref1, dref1, m_q, v_q = _roundtrip(codec, m1, v1, hp1, ref0, dref0)
-    assert enc1.records["v"]["meta"]["delta"] and not enc1.records["v"]["meta"]["factored"]
-    assert torch.equal(ref1[0], dref1[0])
-    # the decoded pair is what the tensor-level codec gives
-    qm, qv = M.encode_pair(m1, v1, hp1, codec)
-    m_ref, v_ref = M.decode_pair(qm, qv, hp1)
-    assert torch.equal(v_q, v_ref) and torch.equal(m_q, m_ref)
-    # the delta is smaller than the keyframe of the same step
-    key, _, _, _, _ = _roundtrip(codec, m1, v1, hp1)
-    assert len(enc1.blobs[enc1.records["v"]["blobs"]["codes"]]) < len(key.blobs[key.records["v"]["blobs"]["codes"]])
+def _file(tmp_path, digits_snapshots, **config):
+    model, opt, snaps, _ = digits_snapshots
+    m = get_method("dynaquant", {"moments": config} if config else None)
+    flat = flatten_state({"model": snaps[-1].model, "optimizer": snaps[-1].optimizer}, model, opt)
+    from ckptzip.methods.base import EncodeContext
+
+    enc, _ = m.encode(flat, None, ctx=EncodeContext(step=1))
+    return m, flat, enc
 
 
-def test_bad_records_name_themselves(pairs):
-    m, v, hp = pairs[0]
-    enc = Encoded()
-    G.store_adam(enc, "opt/0/exp_avg", "opt/0/exp_avg_sq", m, v, hp, M.GridCodec(), None)
-    with pytest.raises(CorruptCheckpointError, match="opt/0/exp_avg'.*needs its exp_avg_sq"):
-        G.load_direction(enc, "opt/0/exp_avg", m.shape, "float32", None)
-    with pytest.raises(CorruptCheckpointError, match="opt/0/exp_avg_sq.*codes for a tensor"):
-        G.load_v(enc, "opt/0/exp_avg_sq", (3, 5), "float32", None)
-    enc.records["opt/0/exp_avg_sq"]["meta"]["adam"] = {"step": "x"}
-    with pytest.raises(CorruptCheckpointError, match="opt/0/exp_avg_sq.*malformed"):
-        G.load_v(enc, "opt/0/exp_avg_sq", v.shape, "float32", None)
-    _, dv, _ = G.load_v(_fresh(m, v, hp), "opt/0/exp_avg_sq", v.shape, "float32", None)
-    enc2 = _fresh(m, v, hp)
-    key = enc2.records["opt/0/exp_avg"]["blobs"]["side.scale"]
-    enc2.blobs[key] = enc2.blobs[key][:-2]
-    with pytest.raises(CorruptCheckpointError, match="opt/0/exp_avg"):
-        G.load_direction(enc2, "opt/0/exp_avg", m.shape, "float32", dv)
+def test_inconsistent_or_corrupt_moment_records_are_named(tmp_path, digits_snapshots):
+    torch.set_num_threads(1)
+    m, flat, enc = _file(tmp_path, digits_snapshots)
+    ctx = DecodeContext(step=1)
+    recs = dict(flat.records)
+    name = "optimizer/state/0/exp_avg"
+    from dataclasses import replace
+
+    bad = {**recs, name: replace(recs[name], shape=(64, 256))}  # m's shape disagrees with its weight
+    with pytest.raises(CorruptCheckpointError, match=f"{name}.*its weight 'fc1.weight'"):
+        m.decode(bad, enc, None, ctx=ctx)
+    vname = "optimizer/state/0/exp_avg_sq"
+    meta = enc.records[vname]["meta"]
+    meta["adam"] = {"step": "x"}
+    with pytest.raises(CorruptCheckpointError, match=f"{vname}.*malformed moment metadata"):
+        m.decode(recs, enc, None, ctx=ctx)
+    m, flat, enc = _file(tmp_path, digits_snapshots)
+    enc.records[name]["meta"]["v"] = "optimizer/state/9/exp_avg_sq"
+    with pytest.raises(CorruptCheckpointError, match=f"{name}.*needs its exp_avg_sq"):
+        m.decode(recs, enc, None, ctx=ctx)
+    m, flat, enc = _file(tmp_path, digits_snapshots)
+    key = enc.records[name]["blobs"]["side.scale"]
+    enc.blobs[key] = enc.blobs[key][:-2]
+    with pytest.raises(CorruptCheckpointError, match=name):
+        m.decode(recs, enc, None, ctx=ctx)
 
 
-def _fresh(m, v, hp):
-    enc = Encoded()
-    G.store_adam(enc, "opt/0/exp_avg", "opt/0/exp_avg_sq", m, v, hp, M.GridCodec(), None)
-    return enc
+def test_m_not_stored(tmp_path, digits_snapshots):
+    torch.set_num_threads(1)
+    m, flat, enc = _file(tmp_path, digits_snapshots, grid={"m_bits": 0})
+    name = "optimizer/state/0/exp_avg"
+    assert enc.records[name]["pipeline"] == ["moment-direction/1"] and not enc.records[name]["blobs"]
+    out, _ = m.decode(flat.records, enc, None, ctx=DecodeContext(step=1))
+    assert not bool(out[name].any()) and bool(out["optimizer/state/0/exp_avg_sq"].any())
