@@ -22,16 +22,19 @@ from transformers import TrainerCallback
 
 from ..chain import CheckpointChain, KeyframePolicy, RetentionPolicy
 from ..ingest import LAYOUTS, TRAINER_LAYOUT, write_restored
+from ..api import checkpoint_budget
 from ..methods.base import EncodeContext
 
 
 class CkptzipCallback(TrainerCallback):
     def __init__(self, chain_url, method: str = "lossless", config=None, *, delete_folders: bool = False,
                  threshold: float = 0.01, eval_fn=None, higher_is_better: bool = False,
-                 keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None):
+                 keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
+                 restores: int = 10):
         self.chain = CheckpointChain(chain_url, method, config, keyframe=keyframe, retention=retention)
         self.delete_folders = delete_folders
         self.threshold, self.eval_fn, self.higher_is_better = threshold, eval_fn, higher_is_better
+        self.budget = checkpoint_budget(threshold, restores)  # api.Compressor explains
         self.saved: list[int] = []
 
     def on_save(self, args, state, control, model=None, **kwargs):
@@ -45,7 +48,7 @@ class CkptzipCallback(TrainerCallback):
         if steps and step <= steps[-1]:
             return  # already in the chain (a save repeated at the same step)
         st = LAYOUTS[TRAINER_LAYOUT].load(folder, step)
-        ctx = EncodeContext(step=step, model=model, eval_fn=self.eval_fn, threshold=self.threshold,
+        ctx = EncodeContext(step=step, model=model, eval_fn=self.eval_fn, threshold=self.budget,
                             higher_is_better=self.higher_is_better)
         self.chain.save(st, step, model=model, ctx=ctx)
         self.saved.append(step)
