@@ -38,7 +38,7 @@ Call order (methods/quantizing.py)::
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -154,20 +154,15 @@ def _plan_adam(state: FlatState, view: ParamView, grid: M.GridCodec, prev: Momen
     p = prev.codes.get(vname) if prev is not None else None
     if p is not None and p.codes.numel() != v.numel():
         p = None
-    qv = M.quantize_v(v, hp, step=grid.v_step, factored=grid.factored and p is None, m=m)  # residuals: keyframes
+    qm, qv = M.encode_pair(m, v, hp, replace(grid, factored=grid.factored and p is None))  # residuals: keyframes
     levels = M.decode_grid(qv)
     n_levels = int(levels.max()) + 1 if levels.numel() else 1
     adam = {"step": hp.step, "beta1": b1, "beta2": b2, "eps": eps}
-    out = {vname: MomentItem(qv, S.MOMENT_GRID.descriptor, {"step": grid.v_step, "factored": qv.meta["factored"],
-                                                            "adam": adam}, p,
-                             levels=qrecord.Codes(qrecord.compact(levels, n_levels), n_levels))}
-    if not grid.m_bits:
-        out[mname] = MomentItem(None, S.MOMENT_DIRECTION.descriptor, {"zero": True, "v": vname})
-        return out
-    D = M.decode_denominator(qv, hp, levels) if grid.normalize == "decoded" else M.denominator(v, hp)
-    qm = M.quantize_m(m, D, bits=grid.m_bits, group=grid.group, prune=grid.prune)
-    out[mname] = MomentItem(qm, S.MOMENT_DIRECTION.descriptor, {**_direction_meta(qm), "v": vname})
-    return out
+    return {vname: MomentItem(qv, S.MOMENT_GRID.descriptor, {"step": grid.v_step, "factored": qv.meta["factored"],
+                                                             "adam": adam}, p,
+                              levels=qrecord.Codes(qrecord.compact(levels, n_levels), n_levels)),
+            mname: MomentItem(None, S.MOMENT_DIRECTION.descriptor, {"zero": True, "v": vname}) if qm is None else
+            MomentItem(qm, S.MOMENT_DIRECTION.descriptor, {**_direction_meta(qm), "v": vname})}
 
 
 def _direction_meta(q: QuantizedTensor) -> dict:
