@@ -400,11 +400,15 @@ def report(rows: list[dict], k_steps: int) -> str:
             lines[-1] += " | ".join(cells) + f" | {_pct(worst)} | " \
                 + f"{sum(r['dir'] for r in vr.values()) / len(vr):.3g} | " \
                 + f"{sum(r['upd1'] for r in vr.values()) / len(vr):.3g} |"
-        pool = [r for r in rs if r["variant"] != "exact"]
+        pool = [r for r in rs if r["variant"] != "exact" and "look" in r]
         y = [r["rel"] for r in pool]
-        lines.append("\nSpearman rank correlation with the " + f"{k_steps}-step change ({len(pool)} rows): "
-                     + ", ".join(f"{p} {spearman([r[p] for r in pool], y):+.2f}"
-                                 for p in ("dir", "look", "upd1", "div10", "rel10", "rel50")))
+        proxies = ("dir", "look", "upd1", "div10", "rel10", "rel50")
+        lines.append("\nSpearman rank correlation with the " + f"{k_steps}-step change, pooled ({len(pool)} rows): "
+                     + ", ".join(f"{p} {spearman([r[p] for r in pool], y):+.2f}" for p in proxies))
+        within = {p: [spearman([r[p] for r in pool if r["step"] == s], [r["rel"] for r in pool if r["step"] == s])
+                      for s in steps] for p in proxies}
+        lines.append("within each checkpoint (mean over checkpoints): "
+                     + ", ".join(f"{p} {sum(v) / len(v):+.2f}" for p, v in within.items()))
     return "\n".join(lines)
 
 
@@ -415,11 +419,16 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=200, help="K: steps trained after the resume")
     ap.add_argument("--cache", default="/tmp/ckz-resume")
     ap.add_argument("--out", default=None, help="JSON file for the rows (default: <cache>/resume-<workloads>.json)")
-    ap.add_argument("--report", default=None, help="only print the tables of an earlier --out file")
+    ap.add_argument("--report", action="store_true", help="only print the tables of the rows cached so far")
     a = ap.parse_args(argv)
     if a.report:
-        d = json.loads(pathlib.Path(a.report).read_text())
-        print(report(d["rows"], d["steps"]))
+        rows = []
+        for w in a.workloads.split(","):
+            log = pathlib.Path(a.cache) / f"{w}-rows-{a.steps}w.jsonl"
+            order = {v: i for i, v in enumerate(a.variants.split(","))}
+            got = [r for r in map(json.loads, log.read_text().splitlines()) if r["variant"] in order]
+            rows += sorted(got, key=lambda r: (order[r["variant"]], r["step"]))
+        print(report(rows, a.steps))
         return
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

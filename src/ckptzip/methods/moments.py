@@ -15,7 +15,9 @@ Codecs (``MomentConfig.codec``), each measured in docs/BENCHMARKS.md ("Optimizer
 Every codec keeps exact what it does not know: the state of a parameter that is neither Adam-family
 (exp_avg and exp_avg_sq, betas, eps, a step >= 1) nor SGD (a momentum_buffer and ``momentum`` in
 its param group) -- Adagrad's sum, AMSGrad's max_exp_avg_sq, Lion's exp_avg, ... -- and tensors that
-are small, not float or not finite. ``ckptzip inspect`` lists what was kept exact.
+are small (``grid.min_numel``; normalized: ``min_numel`` and no norm / bias layers), not float or
+not finite. ``ckptzip inspect`` lists what was kept exact. The grid codec codes the moments of
+biases and norms too: kept exact they cost a GPT-2 chain a fifth of its moment bytes.
 
 Grid records (pipelines ``moment-grid/1, [cyclic-delta/1,] ans/1`` and ``moment-direction/1[, ans/1]``,
 layout of methods/qrecord.py):
@@ -65,7 +67,7 @@ class MomentConfig:
     delta: bool = False              # codec "normalized": cyclic code deltas against the previous save
     protect_fraction: float = 0.005  # codec "normalized": largest values kept in bf16, as for weights
     alpha: float = 0.01              # codec "normalized": LogSketch relative accuracy
-    min_numel: int = MIN_NUMEL       # smaller moment tensors stay exact
+    min_numel: int = MIN_NUMEL       # codec "normalized": smaller moment tensors stay exact
 
     def __post_init__(self):
         if self.codec not in MOMENT_CODECS:
@@ -123,7 +125,7 @@ def plan_moments(state: FlatState, config: MomentConfig, prev: MomentReference |
                 for name, q in quantize_normalized(state, config).items()}
     out = {}
     for view in state.params().values():
-        n = config.min_numel
+        n = config.grid.min_numel
         if _codable(state, view, "exp_avg", n) and _codable(state, view, "exp_avg_sq", n) and view.adam \
                 and view.step >= 1 and state.records[view.moments["exp_avg"]].shape == \
                 state.records[view.moments["exp_avg_sq"]].shape:
@@ -141,8 +143,7 @@ def _codable(state: FlatState, view: ParamView, role: str, min_numel: int) -> bo
     if name is None:
         return False
     rec, t = state.records[name], state.tensors[name]
-    return rec.is_float and rec.layer_type not in ("norm", "bias") and t.numel() >= min_numel \
-        and bool(torch.isfinite(t).all())
+    return rec.is_float and t.numel() >= min_numel and bool(torch.isfinite(t).all())
 
 
 def _plan_adam(state: FlatState, view: ParamView, grid: M.GridCodec, prev: MomentReference | None

@@ -244,6 +244,7 @@ class GridCodec:
     prune: float = 0.0        # share of m zeroed by magnitude
     normalize: str = "true"   # u = m / D ("true") or m / D_q ("decoded")
     sgd_bits: int = 3         # SGD momentum buffers (no v: the buffer is the update direction)
+    min_numel: int = 128      # smaller moment tensors stay exact (a record's own bytes outweigh theirs)
 
     def __post_init__(self):
         if not self.v_step > 0:
@@ -255,6 +256,8 @@ class GridCodec:
         if self.m_bits:
             levels_table(self.m_bits, self.prune)
         levels_table(self.sgd_bits, 0.0)
+        if not isinstance(self.min_numel, int) or self.min_numel < 1:
+            raise ConfigError(f"GridCodec.min_numel must be an int >= 1, got {self.min_numel!r}")
         if not isinstance(self.group, int) or self.group < 1:
             raise ConfigError(f"GridCodec.group must be an int >= 1, got {self.group!r}")
 
