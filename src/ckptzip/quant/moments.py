@@ -16,21 +16,20 @@ effects, c ~ a_i + b_j (as Adafactor keeps v as row x column statistics, here in
 and the residual r = c - a_i - b_j is coded (zigzag); a and b are exact int16 side tensors.
 
 **m: the normalized direction at 1-3 bits.** u = m / D (``normalize="true"``: the exact D, so
-the restored first update m_q / D_q = u_q approximates the true one; ``"decoded"``: D_q, today's
-dynaquant/1 recipe), split into groups of ``group`` consecutive elements; each group has a bf16
-scale s (mean |u| for 1 bit, RMS otherwise) and z = u / s is rounded to a fixed level table
-(1 bit: sign; 2 and 3 bits: Lloyd-Max levels of a unit Gaussian). ``prune`` > 0 adds a zero level
-for |z| below the quantile ``prune`` of |z| (ExCP's momentum pruning by magnitude).
+the restored first update m_q / D_q = u_q approximates the true one; ``"decoded"``: D_q, as the
+v0.1 recipe normalizes), split into groups of ``group`` consecutive elements; each group has a
+bf16 scale s (mean |u| of what it keeps for 1 bit, RMS otherwise) and z = u / s is rounded to a
+fixed level table (1 bit: sign; 2 and 3 bits: Lloyd-Max levels of a unit Gaussian). ``prune`` > 0
+adds a zero level for |u| at or below the quantile ``prune`` of |u| (ExCP's momentum pruning by
+magnitude; 1 bit + prune = ternary).
 Decode: u_q = levels[code] * s, m_q = u_q * D_q, and 0 where v has the zero level (both exactly
 zero: e.g. weights of an input that is always zero).
 
 Call order (decode v before m: m needs D_q)::
 
     hp = AdamHP(step, beta1, beta2, eps)
-    qv = quantize_v(v, hp, step=0.5, factored=False, m=m)     # QuantizedTensor
-    D_q = decode_denominator(qv, hp)
-    qm = quantize_m(m, D_q if normalize == "decoded" else denominator(v, hp), bits=1, group=128)
-    v_q = v_from_denominator(D_q, hp, dtype);  m_q = dequantize_m(qm, D_q, dtype)
+    qm, qv = encode_pair(m, v, hp, GridCodec())     # = quantize_v, then quantize_m by D
+    m_q, v_q = decode_pair(qm, qv, hp)              # = decode_denominator, v_from_denominator, dequantize_m
 
 SGD momentum (no v): ``quantize_m(buf, None, ...)`` quantizes the buffer itself (D = 1).
 """
@@ -45,11 +44,10 @@ from ..errors import ConfigError, NonFiniteError
 from ..tensorbytes import dtype_name, torch_dtype
 from .base import QuantizedTensor
 
-# Lloyd-Max reconstruction levels of a unit Gaussian (the optimal fixed table for a symmetric
-# bell-shaped z), and the decision thresholds between them.
-_LM_LEVELS = {1: (0.7979,), 2: (0.4528, 1.510), 3: (0.2451, 0.7560, 1.344, 2.152)}
-GRID_DESCRIPTOR = "moment-grid/1"
-DIRECTION_DESCRIPTOR = "moment-direction/1"
+# Positive reconstruction levels in units of the group scale: 1 bit, +-1 times the mean |u| (the
+# L2-optimal scale of a sign); 2 and 3 bits, the Lloyd-Max levels of a unit Gaussian (z = u / RMS).
+# Decision thresholds are the midpoints.
+_LEVELS = {1: (1.0,), 2: (0.4528, 1.510), 3: (0.2451, 0.7560, 1.344, 2.152)}
 
 
 @dataclass(frozen=True)
@@ -116,7 +114,7 @@ def quantize_v(v: torch.Tensor, hp: AdamHP, *, step: float = 0.5, factored: bool
                m: torch.Tensor | None = None) -> QuantizedTensor:
     """v (exp_avg_sq) -> grid codes (factored: zigzag residuals, int16 side ``row``/``col``)."""
     c = grid_codes(v, hp, step, m)
-    side, meta = {}, {"descriptor": GRID_DESCRIPTOR, "step": step, "factored": False}
+    side, meta = {}, {"step": step, "factored": False}
     rc = _as_2d(v.shape) if factored else None
     if rc is not None:
         c2 = c.reshape(rc).to(torch.float32)
@@ -163,9 +161,9 @@ def v_from_denominator(D: torch.Tensor, hp: AdamHP, shape, dtype: torch.dtype = 
 
 def levels_table(bits: int, prune: float) -> torch.Tensor:
     """Sorted reconstruction levels in units of the group scale (with 0 when pruning)."""
-    if bits not in _LM_LEVELS:
-        raise ConfigError(f"moment bits must be one of {sorted(_LM_LEVELS)}, got {bits}")
-    half = torch.tensor(_LM_LEVELS[bits] if bits > 1 else (1.0,), dtype=torch.float32)
+    if bits not in _LEVELS:
+        raise ConfigError(f"moment bits must be one of {sorted(_LEVELS)}, got {bits}")
+    half = torch.tensor(_LEVELS[bits], dtype=torch.float32)
     mid = torch.zeros(1) if prune > 0 else torch.empty(0)
     return torch.cat([-half.flip(0), mid, half])
 
@@ -204,7 +202,7 @@ def quantize_m(m: torch.Tensor, D: torch.Tensor | None, *, bits: int = 1, group:
         codes += (codes >= half).to(codes.dtype)
         codes[ug.abs() <= cut] = half
     codes = codes.reshape(-1)[:n]
-    meta = {"descriptor": DIRECTION_DESCRIPTOR, "bits": bits, "group": group, "prune": prune,
+    meta = {"bits": bits, "group": group, "prune": prune,
             "normalized": D is not None}
     return QuantizedTensor(codes=codes, n_levels=int(levels.numel()), codebook=levels, shape=tuple(m.shape),
                            dtype=dtype_name(m.dtype), side={"scale": s}, meta=meta)
@@ -249,8 +247,8 @@ class GridCodec:
     def __post_init__(self):
         if not self.v_step > 0:
             raise ConfigError(f"GridCodec.v_step must be > 0, got {self.v_step}")
-        if self.m_bits not in (0, *_LM_LEVELS):
-            raise ConfigError(f"GridCodec.m_bits must be 0 or one of {sorted(_LM_LEVELS)}, got {self.m_bits}")
+        if self.m_bits not in (0, *_LEVELS):
+            raise ConfigError(f"GridCodec.m_bits must be 0 or one of {sorted(_LEVELS)}, got {self.m_bits}")
         if self.normalize not in NORMALIZE:
             raise ConfigError(f"GridCodec.normalize must be one of {NORMALIZE}, got {self.normalize!r}")
         if self.m_bits:
