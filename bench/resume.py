@@ -52,6 +52,7 @@ from ckptzip.quant.dynaquant import adam_direction_error
 from ckptzip.state import flatten_state, unflatten_state
 
 PROBES = (1, 10, 50)  # resume steps at which the proxies are taken
+SEED_SHIFT = 1_000_000  # --seeds: seed s continues on the batches of step + s * SEED_SHIFT
 WINDOW, WINDOW_EVERY = 5, 10  # the judged figure: mean eval at K-40, K-30, ..., K (less chaotic than at K alone)
 MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
@@ -317,37 +318,43 @@ def _direction_error(flat, restored) -> float:
     return adam_direction_error(ms, vs, mq, vq, max(steps), tuple(betas), float(g["eps"]))
 
 
-def study(name: str, variants: list[str], k_steps: int, cache: pathlib.Path) -> list[dict]:
-    """Every (row, checkpoint) of one workload, row by row (a partial run has whole rows); rows
-    already in <cache>/<name>-rows-<K>w.jsonl are reused, the exact resume is cached per step."""
-    wl, snaps = snapshots(name, cache)
-    model, opt, _ = wl.build(0)
+def study(name: str, variants: list[str], k_steps: int, cache: pathlib.Path, seeds: int = 1) -> list[dict]:
+    """Every (row, checkpoint, data seed) of one workload, row by row (a partial run has whole rows);
+    rows already in <cache>/<name>-rows-<K>w.jsonl are reused, the exact resume is cached per step
+    and seed. Seed s > 0 continues on other batches (the workload's batch(step + s * SEED_SHIFT)),
+    so the mean over seeds separates a row's effect from the chaos of one continuation."""
+    wl0, snaps = snapshots(name, cache)
+    model, opt, _ = wl0.build(0)
     log = cache / f"{name}-rows-{k_steps}w.jsonl"
-    done = {(r["step"], r["variant"]): r for r in map(json.loads, log.read_text().splitlines())} \
+    done = {(r["step"], r["variant"], r.get("seed", 0)): r for r in map(json.loads, log.read_text().splitlines())} \
         if log.exists() else {}
     flats = {step: flatten_state({"model": snap["model"], "optimizer": snap["optimizer"]}, model, opt)
              for step, snap in snaps.items()}
     rows, backfilled = [], False
-    for v in ["exact", *[v for v in variants if v != "exact"]]:
-        for step, snap in sorted(snaps.items()):
-            if (step, v) not in done:
-                done[(step, v)] = _row(wl, name, step, snap, flats[step], v, k_steps, cache)
-                with log.open("a") as f:
-                    f.write(json.dumps(done[(step, v)]) + "\n")
-            elif "look" not in done[(step, v)]:  # a proxy added after the row was measured
-                done[(step, v)]["look"] = lookahead(wl, snap, flats[step], VARIANTS[v](flats[step])[0])
-                backfilled = True
-            rows.append(done[(step, v)])
+    for seed in range(seeds):
+        wl = wl0 if not seed else dataclasses.replace(wl0, batch=lambda st, s=seed: wl0.batch(st + s * SEED_SHIFT))
+        for v in ["exact", *[v for v in variants if v != "exact"]]:
+            for step, snap in sorted(snaps.items()):
+                key = (step, v, seed)
+                if key not in done:
+                    done[key] = {**_row(wl, name, step, snap, flats[step], v, k_steps, cache, seed), "seed": seed}
+                    with log.open("a") as f:
+                        f.write(json.dumps(done[key]) + "\n")
+                elif "look" not in done[key]:  # a proxy added after the row was measured
+                    done[key]["look"] = lookahead(wl, snap, flats[step], VARIANTS[v](flats[step])[0])
+                    backfilled = True
+                rows.append(done[key])
     if backfilled:
         log.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
     return rows
 
 
-def _row(wl, name: str, step: int, snap: dict, flat, v: str, k_steps: int, cache: pathlib.Path) -> dict:
+def _row(wl, name: str, step: int, snap: dict, flat, v: str, k_steps: int, cache: pathlib.Path, seed: int) -> dict:
     t0 = time.perf_counter()
     restored, nbytes = VARIANTS[v](flat)
     opt_state = unflatten_state(flat.skeleton, {**flat.tensors, **restored})["optimizer"]
-    exact = _cached(cache / f"{name}-exact-{step}-{k_steps}w.pt", lambda: resume(wl, step, snap, snap["optimizer"], k_steps))
+    exact = _cached(cache / f"{name}-exact-{step}-{k_steps}w{f'-s{seed}' if seed else ''}.pt",
+                    lambda: resume(wl, step, snap, snap["optimizer"], k_steps))
     r = exact if v == "exact" else resume(wl, step, snap, opt_state, k_steps)
     rel = {i: (r["metric"][i] - exact["metric"][i]) / abs(exact["metric"][i]) for i in r["metric"]}
     d1_ref = exact["params"][1] - exact["theta0"]
@@ -378,6 +385,14 @@ def spearman(x: list[float], y: list[float]) -> float:
     return float((rx * ry).sum() / (rx.norm() * ry.norm()))
 
 
+def _std(xs: list[float]) -> float:
+    """Sample standard deviation (0 for a single value)."""
+    if len(xs) < 2:
+        return 0.0
+    mu = sum(xs) / len(xs)
+    return math.sqrt(sum((x - mu) ** 2 for x in xs) / (len(xs) - 1))
+
+
 def _pct(x):
     return "-" if x is None else f"{100 * x:+.2f} %"
 
@@ -392,15 +407,18 @@ def report(rows: list[dict], k_steps: int) -> str:
                   + " | worst | direction error (mean) | first-update error (mean) |",
                   "|---|---|" + "---|" * (len(steps) + 3)]
         for v in dict.fromkeys(r["variant"] for r in rs):
-            vr = {r["step"]: r for r in rs if r["variant"] == v}
+            by_step = {s: [r for r in rs if r["variant"] == v and r["step"] == s] for s in steps}
+            vr = {s: {**g[0], "rel": sum(r["rel"] for r in g) / len(g),
+                      "spread": _std([r["rel"] for r in g])} for s, g in by_step.items() if g}
             bits = [vr[s]["bits"] for s in steps if vr.get(s) and vr[s]["bits"] is not None]
-            cells = [_pct(vr[s]["rel"]) if s in vr else "" for s in steps]
+            cells = [(_pct(vr[s]["rel"]) + (f" ± {100 * vr[s]['spread']:.2f}" if vr[s]["spread"] else ""))
+                     if s in vr else "" for s in steps]
             worst = max(vr[s]["rel"] for s in vr)
             lines.append(f"| {v} | {sum(bits) / len(bits):.2f} | " if bits else f"| {v} | - | ")
             lines[-1] += " | ".join(cells) + f" | {_pct(worst)} | " \
                 + f"{sum(r['dir'] for r in vr.values()) / len(vr):.3g} | " \
                 + f"{sum(r['upd1'] for r in vr.values()) / len(vr):.3g} |"
-        pool = [r for r in rs if r["variant"] != "exact" and "look" in r]
+        pool = [r for r in rs if r["variant"] != "exact" and "look" in r and not r.get("seed")]
         y = [r["rel"] for r in pool]
         proxies = ("dir", "look", "upd1", "div10", "rel10", "rel50")
         lines.append("\nSpearman rank correlation with the " + f"{k_steps}-step change, pooled ({len(pool)} rows): "
@@ -417,6 +435,7 @@ def main(argv=None):
     ap.add_argument("--workloads", default="gpt2-3m,gpt2,digits")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {', '.join(VARIANTS)}")
     ap.add_argument("--steps", type=int, default=200, help="K: steps trained after the resume")
+    ap.add_argument("--seeds", type=int, default=1, help="continuations per row on different batches (mean ± std)")
     ap.add_argument("--cache", default="/tmp/ckz-resume")
     ap.add_argument("--out", default=None, help="JSON file for the rows (default: <cache>/resume-<workloads>.json)")
     ap.add_argument("--report", action="store_true", help="only print the tables of the rows cached so far")
@@ -440,7 +459,7 @@ def main(argv=None):
     rows = []
     t0 = time.perf_counter()
     for w in a.workloads.split(","):
-        rows += study(w, variants, a.steps, cache)
+        rows += study(w, variants, a.steps, cache, a.seeds)
     out = pathlib.Path(a.out or cache / f"resume-{a.workloads.replace(',', '+')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"steps": a.steps, "rows": rows, "wall_s": round(time.perf_counter() - t0)}, indent=1))
