@@ -214,12 +214,11 @@ CONTROLS = {"exact": lambda flat: ({}, None), "bf16": _bf16, "zero-mv": _zero(*M
             "zero-v": _zero("exp_avg_sq"), "jitter1": _jitter(1), "jitter2": _jitter(2)}
 RECIPES = {f"dynaquant/1 k={k}": _method_row("dynaquant", moments={"codec": "normalized", "bins": k})
            for k in (16, 8, 4)}
-RECIPES.update({f"grid v{c.v_step:g} m{c.m_bits}" + (f"p{c.prune:g}" if c.prune else "")
-                + ("" if c.normalize == "true" else " dec"): _grid_row(c)
-                for c in (M.GridCodec(0.5, m_bits=3), M.GridCodec(0.5), M.GridCodec(1.0), M.GridCodec(2.0),
-                          M.GridCodec(1.0, m_bits=2), M.GridCodec(1.0, prune=0.8), M.GridCodec(1.0, normalize="decoded"),
-                          M.GridCodec(1.0, m_bits=0), M.GridCodec(2.0, m_bits=0), M.GridCodec(2.0, m_bits=2),
-                          *(M.GridCodec(v, prune=p) for v in (1.0, 2.0) for p in (0.5, 0.7, 0.8, 0.9)))})
+_GRID_ROWS = [(0.5, 3, 0.0), (0.5, 1, 0.0), (1.0, 1, 0.0), (2.0, 1, 0.0), (3.0, 1, 0.9), (1.0, 2, 0.0), (2.0, 2, 0.0),
+              (1.0, 0, 0.0), (2.0, 0, 0.0), *((v, 1, p) for v in (1.0, 2.0) for p in (0.5, 0.7, 0.8, 0.9))]
+RECIPES.update({f"grid v{v:g} m{b}" + (f"p{p:g}" if p else ""): _grid_row(M.GridCodec(v, m_bits=b, prune=p))
+                for v, b, p in _GRID_ROWS})
+RECIPES["grid v1 m1 dec"] = _grid_row(M.GridCodec(1.0, m_bits=1, prune=0.0, normalize="decoded"))
 RECIPES.update({f"sgd m{b}": _sgd_row(b) for b in (1, 2, 3)})
 VARIANTS = {**CONTROLS, **RECIPES}
 

@@ -235,11 +235,11 @@ NORMALIZE = ("true", "decoded")
 class GridCodec:
     """How one (m, v) pair is quantized (see the module docstring for each knob)."""
 
-    v_step: float = 1.0       # log2 units of D per level
+    v_step: float = 2.0       # log2 units of D per level (D within a factor 2; measured: bench/resume.py)
     factored: bool = True     # keyframes code v as residuals of row + column effects (2-D tensors)
     m_bits: int = 1           # 1 (sign), 2 or 3; 0: m is not stored (restored as zeros)
     group: int = 256          # elements per m scale
-    prune: float = 0.0        # share of m zeroed by magnitude
+    prune: float = 0.9        # share of m zeroed by magnitude (1 bit + prune: ternary, ~0.65 bits)
     normalize: str = "true"   # u = m / D ("true") or m / D_q ("decoded")
     sgd_bits: int = 3         # SGD momentum buffers (no v: the buffer is the update direction)
     min_numel: int = 128      # smaller moment tensors stay exact (a record's own bytes outweigh theirs)
