@@ -10,7 +10,8 @@ worst thread-CPU seconds of one restore (decoding from the nearest keyframe), an
 per-checkpoint weight degradation the search measured.
 
 Run:  PYTHONPATH=src .venv/bin/python bench/keyframes.py --every 1,5,10,20
-      --config '{"optimizer": "lossless"}' --label exact-moments   (a JSON config for the method)
+      --config '{"moments": {"codec": "normalized"}}' --label v0.1   (a JSON config for the method)
+      ... --moments-only '{"codec": "normalized"}' '{"grid": {"v_step": 1.0}}'   (moments alone, fast)
 """
 from __future__ import annotations
 
@@ -88,6 +89,43 @@ def write_chain(wl, snaps, method: str, config: dict, every: int, threshold: flo
     return out
 
 
+def moment_bits(snaps, wl, configs: list[str], every: list[int]) -> list[str]:
+    """Moments alone (methods/moments.py's real records, no weights, no search): bits per element of
+    m and v over the 20 checkpoints for each MomentConfig (JSON) and keyframe interval."""
+    from ckptzip.methods.base import Encoded, config_from_dict
+    from ckptzip.methods.moments import MomentConfig, MomentReference, plan_moments, store_moment
+    from ckptzip.methods.quantizing import CodesConfig
+    from ckptzip.state import flatten_state
+
+    model, opt, _ = wl.build(0)
+    flats = [flatten_state({"model": snaps[s]["model"], "optimizer": snaps[s]["optimizer"]}, model, opt)
+             for s in sorted(snaps)]
+    n = sum(r.numel for r in flats[0].records.values() if r.role == "exp_avg")
+    lines = ["| moments config | keyframe every | m bits/elem | v bits/elem |", "|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    for spec in configs:
+        cfg = config_from_dict(MomentConfig, json.loads(spec))
+        for k in every:
+            ref, total = None, {"exp_avg": 0, "exp_avg_sq": 0}
+            for i, flat in enumerate(flats):
+                plan = plan_moments(flat, cfg, None if i % k == 0 else ref, marker="dynaquant/1", codes=CodesConfig())
+                enc, codes = Encoded(), {}
+                for name, item in plan.items():
+                    c = store_moment(enc, name, item)
+                    if c is not None:
+                        codes[name] = c
+                for role in total:  # exact moment records count at their raw size
+                    for name, r in flat.records.items():
+                        if r.role == role:
+                            total[role] += sum(len(enc.blobs[b]) for b in enc.records[name]["blobs"].values()) \
+                                if name in plan else 4 * r.numel
+                ref = MomentReference(codes) if cfg.deltas(True) else None
+            bits = {role: 8 * b / (n * len(flats)) for role, b in total.items()}
+            lines.append(f"| `{spec}` | {k} | {bits['exp_avg']:.3f} | {bits['exp_avg_sq']:.3f} |")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--method", default="dynaquant")
@@ -97,10 +135,16 @@ def main(argv=None):
     ap.add_argument("--threshold", type=float, default=0.01)
     ap.add_argument("--cache", default="/tmp/ckz-resume")
     ap.add_argument("--out", default=None, help="append JSON rows here")
+    ap.add_argument("--moments-only", nargs="*", metavar="MOMENT_CONFIG",
+                    help="only the moments' bits per element for these MomentConfig JSONs (no weights, no search)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     wl, snaps = chain_snapshots(pathlib.Path(a.cache))
+    if a.moments_only is not None:
+        print(f"# bench/keyframes.py --moments-only  torch {torch.__version__}  threads=1")
+        moment_bits(snaps, wl, a.moments_only, list(map(int, a.every.split(","))))
+        return 0
     config = json.loads(a.config)
     label = a.label or a.config
     print(f"# bench/keyframes.py --method {a.method} --config '{a.config}' --threshold {a.threshold}  "
