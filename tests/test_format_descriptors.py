@@ -100,10 +100,8 @@ def expected_parts(record: dict) -> set[str]:
         return {"data"}
     if pipe[0] in QUANTIZED:
         return {"codes", "codebook"} | {f"side.{k}" for k in meta["side"]}
-    if pipe[0] in ("moment-grid/1", "moment-direction/1"):  # M.10
-        if meta.get("zero"):
-            return set()
-        return {"codes"} | ({"codebook"} if meta.get("codebook", True) else set()) | {f"side.{k}" for k in meta["side"]}
+    if pipe[0] in ("moment-grid/1", "moment-direction/1"):  # M.10: the M.2 parts packed in one blob
+        return set() if meta.get("zero") else {"data"}
     if pipe[:2] == ["bitsnap/1", "cluster8/1"]:
         return {"labels", "values", "scale", "min"}
     if pipe[:2] == ["bitsnap/1", "bitmask/1"]:

@@ -111,8 +111,14 @@ def test_inconsistent_or_corrupt_moment_records_are_named(tmp_path, digits_snaps
     with pytest.raises(CorruptCheckpointError, match=f"{name}.*needs its exp_avg_sq"):
         m.decode(recs, enc, None, ctx=ctx)
     m, flat, enc = _file(tmp_path, digits_snapshots)
-    key = enc.records[name]["blobs"]["side.scale"]
+    key = enc.records[name]["blobs"]["data"]  # the record's parts, packed
     enc.blobs[key] = enc.blobs[key][:-2]
+    with pytest.raises(CorruptCheckpointError, match=f"{name}.*its data blob"):
+        m.decode(recs, enc, None, ctx=ctx)
+    m, flat, enc = _file(tmp_path, digits_snapshots)
+    parts = enc.records[name]["meta"]["parts"]
+    parts[-1][1] -= 2  # the scale part two bytes short, the codes part two bytes long
+    parts[0][1] += 2
     with pytest.raises(CorruptCheckpointError, match=name):
         m.decode(recs, enc, None, ctx=ctx)
 

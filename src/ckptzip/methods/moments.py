@@ -107,6 +107,7 @@ class MomentItem:
     coder: tuple[str, bool, bool] = _GRID_CODER
     keep: bool = False                    # the stored codes go into the next reference
     levels: qrecord.Codes | None = None   # ... or these (grid v: absolute levels, whatever was stored)
+    pack: bool = False                    # the parts in one blob (grid records: fewer header bytes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,7 +135,7 @@ def plan_moments(state: FlatState, config: MomentConfig, prev: MomentReference |
                 and view.hparams.momentum is not None and _codable(state, view, "momentum_buffer", n):
             name = view.moments["momentum_buffer"]
             q = M.quantize_m(state.tensors[name], None, bits=config.grid.sgd_bits, group=config.grid.group)
-            out[name] = MomentItem(q, S.MOMENT_DIRECTION.descriptor, _direction_meta(q))
+            out[name] = MomentItem(q, S.MOMENT_DIRECTION.descriptor, _direction_meta(q), pack=True)
     return out
 
 
@@ -161,9 +162,9 @@ def _plan_adam(state: FlatState, view: ParamView, grid: M.GridCodec, prev: Momen
     adam = {"step": hp.step, "beta1": b1, "beta2": b2, "eps": eps}
     return {vname: MomentItem(qv, S.MOMENT_GRID.descriptor, {"step": grid.v_step, "factored": qv.meta["factored"],
                                                              "adam": adam}, p,
-                              levels=qrecord.Codes(qrecord.compact(levels, n_levels), n_levels)),
+                              levels=qrecord.Codes(qrecord.compact(levels, n_levels), n_levels), pack=True),
             mname: MomentItem(None, S.MOMENT_DIRECTION.descriptor, {"zero": True, "v": vname}) if qm is None else
-            MomentItem(qm, S.MOMENT_DIRECTION.descriptor, {**_direction_meta(qm), "v": vname})}
+            MomentItem(qm, S.MOMENT_DIRECTION.descriptor, {**_direction_meta(qm), "v": vname}, pack=True)}
 
 
 def _direction_meta(q: QuantizedTensor) -> dict:
@@ -177,7 +178,7 @@ def store_moment(enc: Encoded, name: str, item: MomentItem) -> qrecord.Codes | N
         return None
     coder, rearrange, rle = item.coder
     c = qrecord.store(enc, name, item.q, item.prev, method=item.marker, coder=coder, rearrange=rearrange, rle=rle,
-                      meta=item.meta)
+                      meta=item.meta, pack=item.pack)
     return item.levels if item.levels is not None else c if item.keep else None
 
 
