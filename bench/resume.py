@@ -166,6 +166,8 @@ def _adam_params(flat):
     groups = flat.skeleton["optimizer"]["param_groups"]
     hp_of = {}
     for g in groups:
+        if "betas" not in g:
+            continue  # not Adam (SGD)
         betas = g["betas"]["v"] if isinstance(g["betas"], dict) else g["betas"]
         for i in g["params"]:
             hp_of[str(i)] = (float(betas[0]), float(betas[1]), float(g["eps"]))
@@ -219,6 +221,7 @@ _GRID_ROWS = [(0.5, 3, 0.0), (0.5, 1, 0.0), (1.0, 1, 0.0), (2.0, 1, 0.0), (3.0, 
 RECIPES.update({f"grid v{v:g} m{b}" + (f"p{p:g}" if p else ""): _grid_row(M.GridCodec(v, m_bits=b, prune=p))
                 for v, b, p in _GRID_ROWS})
 RECIPES["grid v1 m1 dec"] = _grid_row(M.GridCodec(1.0, m_bits=1, prune=0.0, normalize="decoded"))
+RECIPES["grid v2 m1p0.9 g1024"] = _grid_row(M.GridCodec(2.0, m_bits=1, prune=0.9, group=1024))
 RECIPES.update({f"sgd m{b}": _sgd_row(b) for b in (1, 2, 3)})
 VARIANTS = {**CONTROLS, **RECIPES}
 
