@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ckptzip.chain import INDEX, CheckpointChain, KeyframePolicy, RetentionPolicy, checkpoint_file
-from ckptzip.errors import CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError
+from ckptzip.errors import CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError, StepOrderError
 from ckptzip.format import encode_container, sha256
 from ckptzip.methods.base import EncodeContext
 from helpers import assert_same  # noqa: E402
@@ -261,7 +261,7 @@ def test_steps_must_increase(tmp_path):
     states = _tiny_states(2)
     chain.save(states[0][1], step=5)
     for bad in (5, 4, -1):
-        with pytest.raises(ValueError, match=f"step {bad} is not after the chain's latest step 5"):
+        with pytest.raises(StepOrderError, match=f"step {bad} is not after the chain's latest step 5"):
             chain.save(states[1][1], step=bad)
     assert chain.steps() == [5] and stored_files(chain) == {INDEX, checkpoint_file(5)}
 
@@ -363,8 +363,8 @@ def test_verify_names_a_flipped_file(small_chain):
     data[len(data) // 2] ^= 0x20
     target.write_bytes(bytes(data))
     problems = chain.verify(deep=False)
-    assert problems and all(checkpoint_file(2) in p for p in problems)
-    assert any("does not match its index checksum" in p for p in problems)
+    assert problems and all(checkpoint_file(2) in str(p) for p in problems)
+    assert any(p.what == "file does not match its index checksum" and p.step == 2 for p in problems)
     assert chain.verify() == problems  # deep skips decoding when a file is already bad
     with pytest.raises(CorruptCheckpointError, match=checkpoint_file(2)):
         chain.load(3)  # its replay path runs through step 2
@@ -375,7 +375,8 @@ def test_verify_names_a_deleted_file(small_chain):
     chain, _, root = small_chain
     (root / checkpoint_file(4)).unlink()
     problems = chain.verify()
-    assert problems == [f"{chain.storage.path(checkpoint_file(4))}: committed checkpoint file is missing"]
+    assert [str(p) for p in problems] == [f"{chain.storage.path(checkpoint_file(4))}: committed checkpoint file is missing"]
+    assert problems[0].step == 4 and problems[0].file == chain.storage.path(checkpoint_file(4)) and problems[0].fix
     with pytest.raises(CorruptCheckpointError, match="missing"):
         chain.load(5)
 
@@ -386,7 +387,7 @@ def test_verify_names_an_edited_index(small_chain):
     doc = json.loads(index.read_text())
     doc["entries"][1]["nbytes"] += 1  # an edit without updating the index checksum
     index.write_text(json.dumps(doc))
-    problems = chain.verify()
+    problems = list(map(str, chain.verify()))
     assert len(problems) == 1 and INDEX in problems[0] and "corrupt" in problems[0]
     with pytest.raises(CorruptCheckpointError, match=INDEX):
         chain.load()
@@ -395,14 +396,14 @@ def test_verify_names_an_edited_index(small_chain):
     doc["entries"][1]["sha256"] = "0" * 64
     doc["sha256"] = sha256(json.dumps(doc["entries"], sort_keys=True, separators=(",", ":")).encode())
     index.write_text(json.dumps(doc))
-    problems = chain.verify()
+    problems = list(map(str, chain.verify()))
     assert len(problems) == 1 and checkpoint_file(2) in problems[0] and "index checksum" in problems[0]
 
 
 def test_verify_catches_a_swapped_file(small_chain):
     chain, _, root = small_chain
     shutil.copy(root / checkpoint_file(5), root / checkpoint_file(4))
-    problems = chain.verify()
+    problems = list(map(str, chain.verify()))
     assert problems and all(checkpoint_file(4) in p for p in problems)
     assert any("holds step 5, index says 4" in p for p in problems)
 
@@ -424,7 +425,7 @@ def test_verify_deep_catches_an_undecodable_record(small_chain):
     (root / INDEX).write_text(json.dumps(doc))
     assert chain.verify(deep=False) == []
     problems = chain.verify(deep=True)
-    assert len(problems) == 1 and problems[0].startswith("step 5: ")
+    assert len(problems) == 1 and str(problems[0]).startswith("step 5: ") and problems[0].step == 5
 
 
 def test_orphans_and_gc(small_chain):

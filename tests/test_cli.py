@@ -118,6 +118,10 @@ BAD = {  # args -> words the one-line message must contain
     "out_not_chain": (["compress", "{ckpt}", "--out", "{ckpts}"], "not a chain"),
     "threshold_no_eval": (["compress", "{ckpt}", "--out", "{tmp}/c2", "--threshold", "0.1"], "need --eval"),
     "bad_eval_spec": (["compress", "{ckpt}", "--out", "{tmp}/c2", "--eval", "nomodule_xyz:f"], "cannot import"),
+    "config_type": (["compress", "{ckpt}", "--out", "{tmp}/c2", "--config", '{{"zstd_level": "x"}}'],
+                    "LosslessConfig.zstd_level must be an int in [1, 22], got 'x'"),
+    "config_range": (["compress", "{ckpt}", "--out", "{tmp}/c2", "--config", '{{"zstd_level": 99}}'],
+                     "LosslessConfig.zstd_level must be an int in [1, 22], got 99"),
 }
 
 

@@ -1,12 +1,13 @@
 """The fault-tolerant harness on a real (short) run: lossless restores reproduce training exactly;
 a lossy method stays close; the report is written."""
 import dataclasses
+import io
 import json
 
 import torch
 
 from ckptzip.demo.faults import failure_steps, run
-from ckptzip.demo.report import markdown_table, write_report
+from ckptzip.demo.report import markdown_table, print_table, write_report
 from ckptzip.demo.workloads import digits_workload
 
 
@@ -28,6 +29,12 @@ def test_fault_tolerant_runs_and_report(tmp_path):
     assert [r["method"] for r in data["runs"]] == ["uncompressed", "lossless", "dynaquant"]
     assert "| digits-mlp | lossless |" in markdown_table([ref, lossless, dq])
     assert any(str(f).endswith(".png") for f in files)
+    # not a terminal (a pipe, a log): the markdown table, every column, not cut to the console width
+    from rich.console import Console
+
+    out = io.StringIO()
+    print_table([ref, lossless, dq], Console(file=out, width=40))
+    assert out.getvalue() == markdown_table([ref, lossless, dq]) + "\n"
 
 
 def test_workload_budget_and_output_fidelity_reach_the_search():

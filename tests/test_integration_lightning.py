@@ -95,3 +95,14 @@ def test_load_rejects_foreign_pointer(tmp_path):
     torch.save({"state_dict": {}}, p)
     with pytest.raises(CorruptCheckpointError, match="not a ckptzip pointer"):
         CompressedCheckpointIO().load_checkpoint(p)
+
+
+def test_bad_arguments_are_refused_before_training():
+    from ckptzip.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"LosslessConfig.zstd_level must be an int in \[1, 22\], got 0"):
+        CompressedCheckpointIO("lossless", {"zstd_level": 0})  # not at the first save, mid-run
+    with pytest.raises(ConfigError, match="CompressedCheckpointIO threshold"):
+        CompressedCheckpointIO(threshold="0.1")
+    with pytest.raises(ConfigError, match="SensitivityCallback every_n_train_steps must be an int >= 1 or None"):
+        SensitivityCallback(every_n_train_steps=0)

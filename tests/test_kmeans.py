@@ -204,3 +204,48 @@ def test_cuda_matches_cpu(digits_snapshots):
     assert c_gpu.device.type == "cuda"
     assert torch.equal(c_gpu.cpu(), c_cpu)
     assert torch.equal(assign(x.cuda(), c_gpu).cpu(), assign(x, c_cpu))
+
+
+# ----------------------------------------------------------------------------- batched, deterministic
+def _histograms(snapshots, kind, sigma, min_numel=1):
+    rows = []
+    for x in last_snapshot(snapshots, kind):
+        if x.numel() < min_numel:
+            continue
+        c, n = LogSketch(0.01).add(x).histogram()
+        rows.append((c, n))
+    return rows
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kmeans_rows_numba_equals_torch_and_rows_are_independent(digits_snapshots, kind):
+    from ckptzip.kmeans import kmeans_rows
+
+    rows = _histograms(digits_snapshots, kind, 0.2)
+    for k in (4, 16, 33):
+        fast = kmeans_rows([c for c, _ in rows], [n for _, n in rows], k, sigma=0.2)
+        ref = kmeans_rows([c for c, _ in rows], [n for _, n in rows], k, sigma=0.2, backend="torch")
+        assert all(torch.equal(a, b) for a, b in zip(fast, ref)), k
+        alone = [kmeans_rows([c], [n], k, sigma=0.2)[0] for c, n in rows]
+        assert all(torch.equal(a, b) for a, b in zip(fast, alone)), k
+        for (c, _), out in zip(rows, fast):
+            assert out.numel() == min(k, c.numel()) and bool((out[1:] > out[:-1]).all())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kmeans_rows_is_as_good_as_kmeanspp(digits_snapshots, kind):
+    """The deterministic density seeding (the quantizer's default) against Algorithm 3 best of 3, on
+    the tensors DynaQuant quantizes (>= 1024 values; below, a histogram of a few dozen points can
+    trap it: 1.5-8x on 10-128-value tensors)."""
+    from ckptzip.kmeans import _nearest, kmeans_rows
+
+    for sigma in (0.2, 1.0):
+        ratios = []
+        for c, n in _histograms(digits_snapshots, kind, sigma, min_numel=1024):
+            if c.numel() <= 16:
+                continue
+            w = bucket_weights(c, n, sigma)
+            cost = lambda ctr: float((w * (c - ctr[_nearest(c, ctr)]).square()).sum())  # noqa: E731
+            ratios.append(cost(kmeans_rows([c], [n], 16, sigma=sigma)[0]) / cost(weighted_kmeans_1d(c, w, 16)))
+        r = torch.tensor(ratios)
+        assert float(r.mean()) <= 1.03 and float(r.max()) <= 1.15, (sigma, r)

@@ -7,6 +7,7 @@ checkpoint; everything without Adam state is exact; bf16 weights work; a resumed
 writing deltas; damage raises CorruptCheckpointError.
 """
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -238,6 +239,10 @@ def test_damaged_payload_raises_corrupt(digits_snapshots):
                 m.decode(flats[1].records, bad, d0, ctx=DecodeContext(step=1))
         with pytest.raises(CorruptCheckpointError):  # a delta without its parent
             m.decode(flats[1].records, e1, None, ctx=DecodeContext(step=1))
+        w = "model/fc1.weight"
+        odd = dataclasses.replace(d0, weights={**d0.weights, w: d0.weights[w][:1]})
+        with pytest.raises(CorruptCheckpointError, match=f"'{w}' is an ExCP residual"):  # parent of another shape
+            m.decode(flats[1].records, e1, odd, ctx=DecodeContext(step=1))
 
 
 def test_config_validation():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptzip.errors import ConfigError, NonFiniteError
+from ckptzip.errors import ConfigError, CorruptCheckpointError, NonFiniteError
 from ckptzip.quant import adaptive, gobo, uniform
 from ckptzip.quant.adaptive import AdaptiveConfig, greedy_range
 from ckptzip.quant.gobo import GoboConfig, kmeans_l1_1d
@@ -197,6 +197,9 @@ def test_gobo_outliers_are_exact_and_follow_the_gaussian_rule(real):
         assert int(q.codes.max()) <= 8 and q.n_levels == 9 and torch.isnan(q.codebook[8])
         total += int(mask.sum())
     assert total >= 50  # the Adam moments of this run do have outliers
+    q.side["outliers"] = q.side["outliers"][1:]  # a record whose outliers do not match its codes
+    with pytest.raises(CorruptCheckpointError, match="outlier codes"):
+        gobo.dequantize(q)
 
 
 def test_gobo_mse_decreases_with_k(real):

@@ -9,7 +9,7 @@ import torch
 from ckptzip.codec import bitpack
 from ckptzip.codec.frames import xz_compress as lzma_compress
 from ckptzip.codec.frames import xz_decompress
-from ckptzip.errors import ConfigError, CorruptCheckpointError, NonFiniteError
+from ckptzip.errors import ConfigError, CorruptCheckpointError, NonFiniteError, UnsupportedStateError
 from ckptzip.quant.excp import (
     EXCP_FAITHFUL,
     ExcpConfig,
@@ -98,6 +98,8 @@ def test_prune_rejects_bad_input():
         prune(x, x, torch.tensor([1.0, float("inf"), 0.0, 0.0]))
     with pytest.raises(ValueError, match="share one shape"):
         prune(x, torch.ones(5), x)
+    with pytest.raises(UnsupportedStateError, match="negative mean"):
+        prune(x, x, -x)
     for bad in (dict(bits=3), dict(codebook_dtype="bfloat16"), dict(alpha=0.0), dict(beta=-1.0),
                 dict(seed=-1), dict(kmeans_max_iter=0)):
         with pytest.raises(ConfigError):
@@ -362,3 +364,15 @@ def test_cuda_matches_cpu(digits_snapshots):
     assert same >= len(b_cpu) - 2  # float64 sums may differ in the last bit on another device
     out = decode_tensor(b_gpu, meta_gpu, device="cuda")
     assert all(t.is_cuda for t in out)
+
+
+def test_malformed_meta_is_corrupt():
+    from ckptzip.quant.excp import FORMAT, read_meta
+
+    with pytest.raises(CorruptCheckpointError, match=r"ExCP record meta is malformed \(KeyError\('shape'\)\)"):
+        read_meta({"format": FORMAT})
+    with pytest.raises(CorruptCheckpointError, match="has format 'x/9'"):  # our own error passes unchanged
+        read_meta({"format": "x/9"})
+    with pytest.raises(CorruptCheckpointError, match="unknown dtype name 'f8'"):
+        read_meta({"format": FORMAT, "shape": [2], "bits": 4, "codebook_dtype": "float32", "parts": {},
+                   "dtypes": {"m": "f8", "v": "float32"}})

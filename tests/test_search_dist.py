@@ -126,3 +126,12 @@ def test_parallel_trials_drive_a_baseline_too(digits, tmp_path):
         torch.set_num_threads(threads)
     assert {tuple(sorted(s["config"])) for s in sequential} == {("max_bins", "min_bins")}
     _check(2, data, sequential, tmp_path)
+
+
+def test_a_group_without_init_is_refused_with_the_fix():
+    from ckptzip.dist import world
+    from ckptzip.errors import ConfigError
+
+    assert not dist.is_initialized()
+    with pytest.raises(ConfigError, match="init_process_group"):
+        world(object())

@@ -92,8 +92,10 @@ def test_sensitivity_none_without_gradient_and_unknown_name(digits):
     assert rec.sensitivity("fc1.weight") is None
     with pytest.raises(KeyError):
         rec.sensitivity("nope.weight")
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"GradientRecorder beta must be a number in \[0, 1\)"):
         GradientRecorder(model, beta=1.0)
+    with pytest.raises(ConfigError, match="GradientRecorder window must be an int >= 1, got '5'"):
+        GradientRecorder(model, window="5")
 
 
 def test_should_arm_window():

@@ -215,3 +215,52 @@ def test_cuda_matches_cpu(digits_snapshots):
     assert gpu.device.type == "cuda"
     assert gpu == cpu
     assert torch.equal(gpu.quantile(QS).cpu(), cpu.quantile(QS))
+
+
+# ----------------------------------------------------------------------------- fast kernels vs reference
+def _boundary_values(alpha: float) -> torch.Tensor:
+    """float32 values on, just below and just above every bucket boundary (both signs), plus zeros,
+    tiny values below min_value and the float32 extremes."""
+    from ckptzip.logbuckets import boundary_table
+
+    b = boundary_table(alpha).float()
+    b = b[torch.isfinite(b)]
+    x = torch.cat([b, torch.nextafter(b, torch.zeros_like(b)), torch.nextafter(b, torch.full_like(b, math.inf)),
+                   torch.tensor([0.0, -0.0, 1e-45, 1e-38, 3.4e38, 1.0, 0.5])])
+    x = x[torch.isfinite(x)]
+    return torch.cat([x, -x])
+
+
+@pytest.mark.parametrize("alpha", [0.01, 0.05, 0.001])
+def test_kernel_ordinals_equal_the_reference(alpha):
+    from ckptzip.logbuckets import ordinals, ordinals_reference
+
+    x = torch.cat([_boundary_values(alpha), heavy_tailed(50_000, seed=3)])
+    assert torch.equal(ordinals(x, alpha), ordinals_reference(x, alpha))
+    b = x.to(torch.bfloat16)
+    b = b[torch.isfinite(b)]  # float32 values above bfloat16's range round to inf
+    assert torch.equal(ordinals(b, alpha), ordinals_reference(b, alpha))
+
+
+def test_segment_histograms_equal_per_segment_sketches(digits_snapshots):
+    from ckptzip.logbuckets import segment_histograms
+
+    parts = real_tensors(digits_snapshots, "exp_avg")[:6] + [torch.zeros(0), heavy_tailed(3000, seed=1)]
+    flat = torch.cat(parts)
+    offsets = torch.tensor([0] + [p.numel() for p in parts]).cumsum(0)
+    fast = segment_histograms(flat, offsets, kinds=("signed", "abs"))
+    ref = segment_histograms(flat.double(), offsets, kinds=("signed", "abs"))  # float64: the torch reference
+    for f, r in zip(fast, ref):
+        assert all(torch.equal(a, b) for a, b in zip(f, r))
+    (ords, counts, ptr), absolute = fast
+    for i, p in enumerate(parts):
+        s = LogSketch(0.01).add(p) if p.numel() else LogSketch(0.01)
+        a = LogSketch(0.01).add(p.abs()) if p.numel() else LogSketch(0.01)
+        sl = slice(int(ptr[i]), int(ptr[i + 1]))
+        assert torch.equal(ords[sl], s._ord) and torch.equal(counts[sl], s._counts)
+        assl = slice(int(absolute[2][i]), int(absolute[2][i + 1]))
+        assert torch.equal(absolute[0][assl], a._ord) and torch.equal(absolute[1][assl], a._counts)
+    bad = flat.clone()
+    bad[int(offsets[2]) + 3] = float("nan")
+    with pytest.raises(NonFiniteError, match="w2"):
+        segment_histograms(bad, offsets, names=[f"w{i}" for i in range(len(parts))])

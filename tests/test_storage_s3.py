@@ -13,7 +13,9 @@ s3fs = pytest.importorskip("s3fs")
 boto3 = pytest.importorskip("boto3")
 
 from ckptzip.chain import INDEX, CheckpointChain, KeyframePolicy, RetentionPolicy, checkpoint_file  # noqa: E402
-from ckptzip.errors import CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError  # noqa: E402
+from ckptzip.errors import (ChainBusyError, CorruptCheckpointError, IncompleteCheckpointError,  # noqa: E402
+                            StepNotFoundError, StorageUnavailableError, WriteConflictError)
+from ckptzip.retry import RetryPolicy  # noqa: E402
 from ckptzip.storage import Storage  # noqa: E402
 
 
@@ -141,6 +143,104 @@ def test_chain_on_s3_restart_and_damage(s3, digits_snapshots):
     client.put_object(Bucket=BUCKET, Key=f"{prefix}/{victim}", Body=bytes(body))
     fresh = CheckpointChain(url, storage_options=opts)
     problems = fresh.verify(deep=False)
-    assert problems and all(victim in p for p in problems)
+    assert problems and all(victim in str(p) for p in problems)
     with pytest.raises(CorruptCheckpointError, match=victim):
         fresh.load(states[4][0])
+
+
+# --- faults: a server that throttles, fails, cuts connections (tests/s3faults.py) -----------------
+
+s3faults = pytest.importorskip("s3faults")
+faultfs = pytest.importorskip("faultfs")
+
+
+@pytest.fixture(scope="module")
+def faulty_s3(s3_endpoint):
+    server = s3faults.FaultyS3Server().start()
+    try:
+        boto3.client("s3", endpoint_url=server.url, region_name="us-east-1").create_bucket(Bucket=BUCKET)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def faulty_locations(faulty_s3, monkeypatch):
+    """new() -> a fresh prefix on the faulty server, seeded with three saves; the clients' retries off."""
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own retry loop: ckptzip's is the one
+    opts = s3faults.chain_options(faulty_s3)
+    seq = faultfs.states(3)
+
+    def new():
+        return faultfs.Location(f"s3://{BUCKET}/f-{uuid.uuid4().hex[:8]}", opts).seed(seq)
+    yield new, faulty_s3
+    faulty_s3.clear()
+
+
+def test_conditional_writes_on_s3(faulty_locations):
+    new, server = faulty_locations
+    st = Storage(new().url, s3faults.chain_options(server))
+    assert st.conditional
+    v1 = st.write_if("doc", b"one", None)
+    with pytest.raises(WriteConflictError):
+        st.write_if("doc", b"two", None)  # PUT If-None-Match: * on an existing key
+    v2 = st.write_if("doc", b"two", v1)  # PUT If-Match: etag
+    with pytest.raises(WriteConflictError):
+        st.write_if("doc", b"three", v1)
+    assert st.read_versioned("doc") == (b"two", v2)
+    st.create("c", b"x")
+    with pytest.raises(FileExistsError):
+        st.create("c", b"y")
+    server.arm(1, "500", times=2)  # a server error, twice: retried
+    assert st.read("c") == b"x" and len(server.failed) == 2
+
+
+@pytest.mark.parametrize("kind", ["503", "lost"])
+def test_s3_fault_at_every_request_of_save_restore_sweep_verify(faulty_locations, kind):
+    """Throttling or a lost answer at each request: retried, never noticed."""
+    new, server = faulty_locations
+    nxt = faultfs.states(1, start=4)[0][1]
+    ops = {"save+sweep": lambda loc: loc.save(4, nxt), "restore": lambda loc: loc.make().load(),
+           "verify": lambda loc: loc.make().verify()}
+    for name, op in ops.items():
+        hits = 0
+        for loc, out, hit in faultfs.every_call(server, new, op, lambda at: server.arm(at, kind)):
+            hits += hit
+            if name == "verify":
+                assert out == []
+            loc.check()
+        assert hits >= 2, name
+
+
+@pytest.mark.parametrize("nth_put", [1, 2])  # the container's PUT, the index's PUT
+def test_s3_put_cut_midway_never_becomes_visible(faulty_locations, nth_put):
+    """A PUT cut after half its body, again and again: no partial object appears, the chain is
+    unchanged (a container whose commit failed is deleted); a single cut goes unnoticed."""
+    new, server = faulty_locations
+    nxt = faultfs.states(1, start=4)[0][1]
+    loc = new()
+    client = boto3.client("s3", endpoint_url=server.url, region_name="us-east-1")
+    before, objects = loc.check(), keys(client, loc.url)
+    server.arm(nth_put, "drop", times=3, methods=("PUT",))  # more cuts than the HTTP client retries itself
+    with pytest.raises(StorageUnavailableError, match="saving step 4 .*failed 1 time .*unchanged") as ei:
+        loc.make(retry=RetryPolicy(attempts=1)).save(nxt, step=4)
+    assert server.failed and "\n" not in str(ei.value)
+    server.clear()
+    assert loc.check() == before and keys(client, loc.url) == objects
+    server.arm(nth_put, "drop", methods=("PUT",))
+    loc.save(4, nxt)
+    assert server.failed
+    server.clear()
+    assert loc.check()[-1] == 4
+
+
+def test_s3_racing_commit_loses_cleanly(faulty_locations):
+    """Two writers' commits race on S3: PUT If-Match lets exactly one land."""
+    new, _ = faulty_locations
+    loc = new()
+    first = loc.make()
+    slow = CheckpointChain(loc.url, faultfs.HookedLossless(), storage_options=loc.opts, retry=faultfs.FAST)
+    slow.method.hook = lambda: loc.save(4, faultfs.states(1, start=4)[0][1], first)
+    with pytest.raises(ChainBusyError, match="while this writer was saving step 4"):
+        slow.save(faultfs.states(1, start=9)[0][1], step=4)
+    assert loc.check()[-1] == 4 and first.orphans() == []

@@ -18,7 +18,18 @@ import numpy as np
 import torch
 
 from .chain import CheckpointChain, Entry, KeyframePolicy, RetentionPolicy
+from .configcheck import Range, check_arg, check_args
+from .fitcheck import check_fits
 from .methods.base import EncodeContext
+
+
+# the training-loop arguments of Compressor (and of the integrations that share them): annotation, rule
+ARGS = {"threshold": (float, Range(ge=0, lt=1, note=" (a relative degradation)")),
+        "eval_fn": (Callable | None, None), "higher_is_better": (bool, None),
+        "keyframe": (KeyframePolicy | None, None), "retention": (RetentionPolicy | None, None),
+        "extra_state": (Callable | None, None), "storage_options": (dict | None, None),
+        "save_every": (int | None, Range(ge=1)), "grad_window": (int, Range(ge=1)),
+        "async_save": (bool, None), "takeover": (bool, None), "restores": (int, Range(ge=0))}
 
 
 def rng_state() -> dict:
@@ -73,6 +84,11 @@ class Compressor:
     Gradient capture for DynaQuant's sensitivity metric installs itself: hooks record a gradient
     EMA only in the ``grad_window`` backward passes before a save (the save interval is learned
     from the first saves, or given as ``save_every``); outside that window they cost nothing.
+
+    ``async_save=True`` with ``eval_fn`` keeps the config search: ``save`` copies the state and
+    returns; a background thread searches on a scratch copy of the model and the agent encodes with
+    the chosen knobs (asyncsearch.py says what ``eval_fn`` must then respect: no global RNG, only
+    the model it is given).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, url,
@@ -82,27 +98,36 @@ class Compressor:
                  scheduler=None, extra_state: Callable[[], dict] | None = None,
                  keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
                  storage_options: dict | None = None, save_every: int | None = None, grad_window: int = 50,
-                 async_save: bool = False, engine_options=None, restores: int = 10):
+                 async_save: bool = False, engine_options=None, takeover: bool = False, restores: int = 10):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not 0 <= threshold < 1:
-            raise ValueError(f"threshold is a relative degradation in [0, 1), got {threshold}")
+        check_args("Compressor", ARGS, threshold=threshold, eval_fn=eval_fn, higher_is_better=higher_is_better,
+                   keyframe=keyframe, retention=retention, extra_state=extra_state, storage_options=storage_options,
+                   save_every=save_every, grad_window=grad_window, async_save=async_save, takeover=takeover,
+                   restores=restores)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.eval_fn, self.threshold, self.higher_is_better = eval_fn, threshold, higher_is_better
         self.budget = checkpoint_budget(threshold, restores)
         self.extra_state = extra_state
         self.chain = CheckpointChain(url, method, config, keyframe=keyframe, retention=retention,
-                                     storage_options=storage_options)
+                                     storage_options=storage_options, takeover=takeover)
         self._recorder = None
         if _wants_gradients(self.chain.method):
             self._recorder = SaveWindowRecorder(model, window=grad_window, save_every=save_every)
-        self._engine = None
+        self._engine = self._searcher = None
         if async_save:
-            from .engine import AsyncCheckpointEngine
+            from .engine import AsyncCheckpointEngine, EngineOptions
 
+            check_arg("Compressor engine_options", engine_options, EngineOptions | None)
             self._engine = AsyncCheckpointEngine(url, method, config, options=engine_options,
                                                  keyframe=keyframe, retention=retention,
-                                                 storage_options=storage_options)
+                                                 storage_options=storage_options, takeover=takeover)
+            if eval_fn is not None and _searches(self.chain.method):
+                from .asyncsearch import SearchingSaver
+
+                # the search runs on a background thread here; the agent encodes with its knobs
+                self._searcher = SearchingSaver(self._engine, self.chain.method, model, eval_fn,
+                                                threshold=self.budget, higher_is_better=higher_is_better)
 
     # --------------------------------------------------------------------------------------
     def state(self, step: int) -> dict:
@@ -120,12 +145,19 @@ class Compressor:
         grads = self._recorder.on_save(step) if self._recorder is not None else None
         ctx = EncodeContext(step=int(step), model=self.model, eval_fn=self.eval_fn, threshold=self.budget,
                             higher_is_better=self.higher_is_better, gradients=grads)
+        if self._searcher is not None:
+            return self._searcher.save(self.state(step), step, model=self.model, optimizer=self.optimizer,
+                                       gradients=grads)
         if self._engine is not None:
             return self._engine.save(self.state(step), step, model=self.model, optimizer=self.optimizer, ctx=ctx)
         return self.chain.save(self.state(step), step, model=self.model, optimizer=self.optimizer, ctx=ctx)
 
-    def restore(self, step: int | None = None) -> int | None:
-        """Load ``step`` (latest when None) into model, optimizer, scheduler and RNG; None if empty."""
+    def restore(self, step: int | None = None, *, strict: bool = True) -> int | None:
+        """Load ``step`` (latest when None) into model, optimizer, scheduler and RNG; None if empty.
+
+        A checkpoint that does not fit the model or optimizer raises StateMismatchError naming the
+        first differing tensor, before anything is loaded; ``strict`` as in ``load_state_dict``.
+        """
         if self._engine is not None:
             found = self._engine.restore(step)
             if found is None:
@@ -135,7 +167,8 @@ class Compressor:
             if not self.chain.steps():
                 return None
             state = self.chain.load(step)
-        self.model.load_state_dict(state["model"])
+        check_fits(state, self.model, self.optimizer, strict=strict, step=state.get("step", step))
+        self.model.load_state_dict(state["model"], strict=strict)
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and "scheduler" in state:
@@ -149,12 +182,16 @@ class Compressor:
 
     def wait(self) -> None:
         """Block until every pending asynchronous save is committed (re-raises agent errors)."""
+        if self._searcher is not None:
+            self._searcher.wait()
         if self._engine is not None:
             self._engine.wait()
 
     def close(self) -> None:
         """Flush pending work; release hooks, processes and the method's resources."""
         try:
+            if self._searcher is not None:
+                self._searcher.close()
             if self._engine is not None:
                 self._engine.close()
         finally:
@@ -209,6 +246,12 @@ class SaveWindowRecorder:
     def close(self) -> None:
         self._hook.remove()
         self.rec.close()
+
+
+def _searches(method) -> bool:
+    """Whether the method runs a config search when given eval_fn (the quantizing methods)."""
+    cfg = getattr(method, "config", None)
+    return hasattr(method, "choose_knobs") and bool(getattr(getattr(cfg, "search", None), "enabled", False))
 
 
 def _wants_gradients(method) -> bool:

@@ -5,79 +5,46 @@ Layout::
     <url>/index.json               the commit: every committed step, written last and atomically
     <url>/step-000000000100.ckz    one container per checkpoint (format.py)
 
-A save writes its container first, then rewrites ``index.json`` atomically; only then is the step
-visible. A crash at any moment leaves the previous index (and so the previous checkpoints)
-intact; at worst an orphan container that no index names, which ``verify`` reports and ``gc``
-removes. Keyframes are decoded alone; a delta names its parent, and a restore replays the path
-from the nearest keyframe forward. Retention never deletes a checkpoint that a kept one needs.
+A save writes its container first (a new name, never replacing one: ``Storage.create``), then
+commits ``index.json`` by compare-and-swap against the index it started from
+(``Storage.write_if``); only then is the step visible. A crash at any moment leaves the previous
+index (and so the previous checkpoints) intact; at worst an orphan container that no index names,
+which ``verify`` reports and ``gc`` removes. Retention commits the shorter index first and deletes
+files after, so a crash mid-sweep leaves orphans, never a dangling entry. Keyframes are decoded
+alone; a delta names its parent, and a restore replays the path from the nearest keyframe forward.
+Retention never deletes a checkpoint that a kept one needs.
 
-One writer per chain at a time (readers may run concurrently).
+One writer per chain at a time, enforced (lease.py): the index names its owner; a second live
+writer gets ChainBusyError at its first save, a writer taken over from (``takeover=True``) is
+fenced at its next commit, and no commit based on a stale index lands. Readers may run
+concurrently: a file that vanishes under a reader (retention after a newer commit) makes it re-read
+the index and retry. Storage calls retry transient faults (retry.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import time
-from dataclasses import dataclass, field
+import uuid
+import warnings
+from dataclasses import dataclass
 
 import torch
 
 from .codec.stages import check_pipeline
-from .errors import CkptzipError, CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError
+from .configcheck import Range, check_args
+from .errors import (ChainBusyError, CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError,
+                     StepOrderError, StorageError, WriteConflictError, malformed)
 from .format import decode_container, encode_container, sha256
+from .index import INDEX, Entry, Index, checkpoint_file, dumps, parse, replay_path
+from .lease import Lease
 from .methods.base import DecodeContext, EncodeContext, Encoded, Method, Reference, get_method, method_for_file
+from .policy import KeyframePolicy, RetentionPolicy, keyframe_due, retention_split
+from .retry import RetryPolicy
 from .state import FlatState, TensorRecord, flatten_state, skeleton_refs, unflatten_state
+from .verify import Problem, verify_chain
 
-INDEX = "index.json"
-INDEX_FORMAT = "ckptzip-chain"
-INDEX_VERSION = 1
-
-
-@dataclass(frozen=True)
-class KeyframePolicy:
-    every: int = 10                   # a keyframe at least every `every` saves
-    max_replay: int | None = None     # bound on deltas decoded by one restore (None: every - 1)
-    max_replay_bytes_ratio: float | None = None  # also start a keyframe when the deltas since the last
-                                                 # one exceed this multiple of its size
-
-    def __post_init__(self):
-        if self.every < 1:
-            raise ValueError(f"KeyframePolicy.every must be >= 1, got {self.every}")
-        if self.max_replay is not None and self.max_replay < 0:
-            raise ValueError(f"KeyframePolicy.max_replay must be >= 0, got {self.max_replay}")
-
-
-@dataclass(frozen=True)
-class RetentionPolicy:
-    keep_last: int | None = None      # keep the newest N steps (None: keep all)
-    keep_every: int | None = None     # also keep every step divisible by this
-
-    def __post_init__(self):
-        for f in ("keep_last", "keep_every"):
-            v = getattr(self, f)
-            if v is not None and v < 1:
-                raise ValueError(f"RetentionPolicy.{f} must be >= 1 or None, got {v}")
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One committed checkpoint as listed in the index."""
-
-    step: int
-    file: str
-    parent: int | None
-    keyframe: bool
-    method: str
-    nbytes: int
-    raw_bytes: int
-    sha256: str
-    created_unix: float
-    bytes_by_role: dict = field(default_factory=dict)  # role -> [raw, stored]
-    summary: dict = field(default_factory=dict)        # method facts worth listing (config chosen, ...)
-
-    @property
-    def ratio(self) -> float:
-        return self.raw_bytes / self.nbytes if self.nbytes else float("inf")
+READ_ATTEMPTS = 4   # a reader re-reads the index this often when files vanish under it
 
 
 @dataclass
@@ -90,8 +57,9 @@ class Restored:
     manifest: dict
 
 
-def checkpoint_file(step: int) -> str:
-    return f"step-{step:012d}.ckz"
+CHAIN_ARGS = {"keyframe": (KeyframePolicy | None, None), "retention": (RetentionPolicy | None, None),
+              "storage_options": (dict | None, None), "takeover": (bool, None), "lease_s": (float, Range(gt=0)),
+              "retry": (RetryPolicy | None, None)}
 
 
 class CheckpointChain:
@@ -100,27 +68,35 @@ class CheckpointChain:
     >>> chain = CheckpointChain("runs/ckpt", method="lossless")
     >>> chain.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, step=100)
     >>> state = chain.load()            # latest; chain.load(step=100) for a given one
+
+    ``takeover=True`` lets this writer fence a live owner of the chain (a stuck or preempted job
+    still running) instead of raising ChainBusyError; ``lease_s`` is how long after its last
+    commit an owner on another machine counts as live; ``retry`` bounds retries of storage calls.
     """
 
     def __init__(self, url, method: str | Method = "lossless", config=None, *,
                  keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
-                 storage_options: dict | None = None):
+                 storage_options: dict | None = None, takeover: bool = False, lease_s: float = 600.0,
+                 retry: RetryPolicy | None = None):
         from .storage import Storage
 
-        self.storage = Storage(url, storage_options)
+        check_args("CheckpointChain", CHAIN_ARGS, keyframe=keyframe, retention=retention,
+                   storage_options=storage_options, takeover=takeover, lease_s=lease_s, retry=retry)
+        self.storage = Storage(url, storage_options, retry=retry)
         self.url = str(url)
         self.method = method if isinstance(method, Method) else get_method(method, config)
         self.keyframe = keyframe or KeyframePolicy()
         self.retention = retention or RetentionPolicy()
-        self._entries: list[Entry] | None = None
+        self._lease = Lease(self.url, takeover=takeover, lease_s=lease_s)
+        self._index: Index | None = None
         self._ref: Reference | None = None          # what the next save encodes against
-        self._ref_checked = False                   # rebuilt from the chain after a restart?
+        self._ref_version: str | None = None        # the index version the reference belongs to
 
     # --- index ----------------------------------------------------------------------------
     def entries(self, *, refresh: bool = False) -> list[Entry]:
-        if self._entries is None or refresh:
-            self._entries = self._read_index()
-        return list(self._entries)
+        if self._index is None or refresh:
+            self._load_index()
+        return list(self._index.entries)
 
     def steps(self) -> list[int]:
         return [e.step for e in self.entries(refresh=True)]
@@ -137,29 +113,37 @@ class CheckpointChain:
         raise StepNotFoundError(f"step {step} is not in the chain at {self.url}; committed steps: "
                                 f"{_short_list([e.step for e in entries])}")
 
-    def _read_index(self) -> list[Entry]:
-        if not self.storage.exists(INDEX):
-            return []
-        raw = self.storage.read(INDEX)
-        try:
-            doc = json.loads(raw)
-            body = doc["entries"]
-            ok = doc.get("format") == INDEX_FORMAT and doc.get("sha256") == sha256(_dumps(body).encode())
-        except (ValueError, KeyError, TypeError):
-            ok = False
-        if not ok:
-            raise CorruptCheckpointError(f"{self.storage.path(INDEX)}: chain index is corrupt or not a ckptzip "
-                                         "index; run `ckptzip verify` and restore it from a backup")
-        if int(doc.get("version", 0)) > INDEX_VERSION:
-            raise CorruptCheckpointError(f"{self.storage.path(INDEX)}: index version {doc['version']} is newer "
-                                         "than this ckptzip; upgrade ckptzip")
-        return [Entry(**e) for e in body]
+    def _load_index(self) -> Index:
+        raw, version = self.storage.read_versioned(INDEX)
+        self._index = Index([]) if raw is None else parse(raw, version, self.storage.path(INDEX))
+        return self._index
 
-    def _write_index(self, entries: list[Entry]) -> None:
-        body = [dataclasses.asdict(e) for e in entries]
-        doc = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "entries": body, "sha256": sha256(_dumps(body).encode())}
-        self.storage.write_atomic(INDEX, json.dumps(doc, indent=1).encode())
-        self._entries = list(entries)
+    def _moved(self, base: Index) -> bool:
+        """Whether a writer committed since ``base`` was read (a reader's cue to retry)."""
+        return self.storage.read_versioned(INDEX)[1] != base.version
+
+    def _commit(self, entries: list[Entry], base: Index, record: dict, what: str) -> None:
+        """Write the index if it is still ``base`` (compare-and-swap); ChainBusyError if another writer won."""
+        record = {**record, "renewed_unix": round(time.time(), 3)}  # the lease runs from the last commit
+        try:
+            version = self.storage.write_if(INDEX, dumps(entries, record), base.version)
+        except WriteConflictError:
+            try:
+                owner = self._load_index().owner
+            except Exception:
+                owner = None
+            raise self._lease.lost(owner, what) from None
+        self._lease.held(record)
+        self._index = Index(list(entries), record, version)
+
+    def _claim(self) -> tuple[Index, dict]:
+        """The current index and the owner record this writer commits with (ChainBusyError if not ours)."""
+        base = self._load_index()
+        return base, self._lease.claim(base.owner)
+
+    def check_writer(self) -> None:
+        """Raise ChainBusyError now if a save would (another live writer owns the chain)."""
+        self._claim()
 
     # --- save -----------------------------------------------------------------------------
     def save(self, state: dict | FlatState, step: int, *, model: torch.nn.Module | None = None,
@@ -167,37 +151,83 @@ class CheckpointChain:
         """Encode and commit one checkpoint. Returns its index entry."""
         step = int(step)
         flat = state if isinstance(state, FlatState) else flatten_state(state, model, optimizer)
-        entries = self.entries(refresh=True)
-        if entries and step <= entries[-1].step:
-            raise ValueError(f"step {step} is not after the chain's latest step {entries[-1].step}; "
-                             "save increasing steps (or start a new chain)")
-        ctx = ctx or EncodeContext(step=step, model=model)
-        if ctx.step != step:
-            ctx = dataclasses.replace(ctx, step=step)
-        ref = self._writer_reference(entries)
-        if ctx.force_keyframe or self._keyframe_due(entries, ref):
-            ref = None
-        t0 = time.perf_counter()
-        enc, new_ref = self.method.encode(flat, ref, ctx=ctx)
-        missing = set(flat.records) - set(enc.records)
-        if missing:
-            raise RuntimeError(f"method {self.method.name} left records unencoded: {sorted(missing)[:5]}")
-        parent = None if enc.keyframe else ref.step
-        manifest = self._manifest(flat, enc, step, parent)
-        data = encode_container(manifest, enc.blobs)
-        fname = checkpoint_file(step)
-        self.storage.makedirs()
-        self.storage.write_atomic(fname, data)
-        entry = Entry(step=step, file=fname, parent=parent, keyframe=enc.keyframe, method=self.method.descriptor,
-                      nbytes=len(data), raw_bytes=manifest["raw_bytes"], sha256=sha256(data),
-                      created_unix=time.time(), bytes_by_role=_bytes_by_role(flat, enc),
-                      summary={**enc.meta.get("summary", {}), "encode_s": round(time.perf_counter() - t0, 4)})
-        keep, drop = self._apply_retention(entries + [entry])
-        self._write_index(keep)  # the commit
-        for e in drop:
-            self.storage.delete(e.file)
-        self._ref = new_ref
+        failure = _StorageContext(f"saving step {step} to {self.url} failed")
+        with failure:  # a StorageError says what it interrupted and what stays loadable
+            base, record = self._claim()
+            entries = failure.entries = base.entries
+            if entries and step <= entries[-1].step:
+                raise StepOrderError(f"step {step} is not after the chain's latest step {entries[-1].step}; "
+                                 "save increasing steps (or start a new chain, or truncate this one)")
+            ctx = ctx or EncodeContext(step=step, model=model)
+            if ctx.step != step:
+                ctx = dataclasses.replace(ctx, step=step)
+            if base.version != self._ref_version:
+                self.forget_reference()  # another writer (or chain object) committed since: rebuild it
+            fname = None
+            try:
+                ref = self._writer_reference(entries)
+                if ctx.force_keyframe or self._keyframe_due(entries, ref):
+                    ref = None
+                t0 = time.perf_counter()
+                enc, new_ref = self.method.encode(flat, ref, ctx=ctx)
+                missing = set(flat.records) - set(enc.records)
+                if missing:
+                    raise RuntimeError(f"method {self.method.name} left records unencoded: {sorted(missing)[:5]}")
+                parent = None if enc.keyframe else ref.step
+                manifest = self._manifest(flat, enc, step, parent)
+                data = encode_container(manifest, enc.blobs)
+                self.storage.makedirs()
+                fname = self._create_file(step, data)
+                entry = Entry(step=step, file=fname, parent=parent, keyframe=enc.keyframe, method=self.method.descriptor,
+                              nbytes=len(data), raw_bytes=manifest["raw_bytes"], sha256=sha256(data),
+                              created_unix=time.time(), bytes_by_role=_bytes_by_role(flat, enc),
+                              summary={**enc.meta.get("summary", {}), "encode_s": round(time.perf_counter() - t0, 4)})
+                keep, drop = retention_split(self.retention, entries + [entry], self.url)
+                self._commit(keep, base, record, f"saving step {step}")
+            except BaseException as e:
+                self.forget_reference()  # the method may have moved on: the next save rebuilds from storage
+                if fname is None or not self._settle_failed_commit(e, fname):
+                    raise
+        self._ref, self._ref_version = new_ref, self._index.version
+        self._sweep(drop)
         return entry
+
+    def _create_file(self, step: int, data: bytes) -> str:
+        name = checkpoint_file(step)
+        try:
+            self.storage.create(name, data)
+        except FileExistsError:  # an orphan, or another writer's save in flight: never replace it
+            name = checkpoint_file(step, uuid.uuid4().hex[:8])
+            self.storage.create(name, data)
+        return name
+
+    def _settle_failed_commit(self, err: BaseException, fname: str) -> bool:
+        """After a failed save: True if its commit landed after all (a lost answer), else delete its file."""
+        if not isinstance(err, ChainBusyError):  # a lost race is certain; anything else may have landed
+            try:
+                index = self._load_index()
+            except Exception:
+                return False  # unknown: keep the file (committed, or an orphan for gc)
+            if any(e.file == fname for e in index.entries):
+                self._lease.held(index.owner)
+                return True
+        try:
+            self.storage.delete(fname)  # created by this save, named by no index
+        except Exception:
+            pass  # an orphan: gc removes it
+        return False
+
+    def _sweep(self, drop: list[Entry]) -> None:
+        """Delete files the committed index no longer names; a failure leaves orphans, not damage."""
+        failed = []
+        for e in drop:
+            try:
+                self.storage.delete(e.file)
+            except Exception as err:
+                failed.append(f"{e.file} ({type(err).__name__}: {err})")
+        if failed:
+            warnings.warn(f"{self.url}: could not delete {len(failed)} file(s) retention dropped: {failed[0]}; "
+                          "the chain is intact; CheckpointChain.gc() removes them later", stacklevel=3)
 
     def _manifest(self, flat: FlatState, enc: Encoded, step: int, parent: int | None) -> dict:
         records = {}
@@ -213,25 +243,7 @@ class CheckpointChain:
         }
 
     def _keyframe_due(self, entries: list[Entry], ref: Reference | None) -> bool:
-        if ref is None or not entries:
-            return True
-        since = 0
-        for e in reversed(entries):
-            if e.keyframe:
-                break
-            since += 1
-        if since + 1 >= self.keyframe.every:
-            return True
-        path = self._path(ref.step, entries)
-        max_replay = self.keyframe.max_replay if self.keyframe.max_replay is not None else self.keyframe.every - 1
-        if len(path) > max_replay:  # the new delta would need len(path) files replayed before it
-            return True
-        r = self.keyframe.max_replay_bytes_ratio
-        if r is not None:
-            kf = next(e for e in entries if e.step == path[0])
-            deltas = sum(e.nbytes for e in entries if e.step in set(path[1:]))
-            return deltas > r * kf.nbytes
-        return False
+        return ref is None or keyframe_due(self.keyframe, entries, ref.step, self.url)
 
     def _writer_reference(self, entries: list[Entry]) -> Reference | None:
         """The reference for the next save; after a restart, rebuilt by replaying the latest step."""
@@ -241,16 +253,10 @@ class CheckpointChain:
         last = entries[-1]
         if last.method != self.method.descriptor:
             return None  # a method change starts with a keyframe
-        if self._ref is not None and self._ref_checked:
-            return self._ref
-        if not self._ref_step_in_chain(entries):
+        if self._ref is None or self._ref.step != last.step:
             (_, manifest), self._ref = self._replay(last.step, entries)
             self.method.resume(manifest.get("method_meta", {}))
-        self._ref_checked = True
         return self._ref
-
-    def _ref_step_in_chain(self, entries: list[Entry]) -> bool:
-        return self._ref is not None and any(e.step == self._ref.step for e in entries)
 
     # --- load -----------------------------------------------------------------------------
     def load(self, step: int | None = None) -> dict:
@@ -258,11 +264,18 @@ class CheckpointChain:
         return self.restore(step).state
 
     def restore(self, step: int | None = None, *, device: str | torch.device = "cpu") -> Restored:
-        entries = self.entries(refresh=True)
-        target = self.entry(step).step
-        (flat, manifest), ref = self._replay(target, entries, device=device)
+        for attempt in range(READ_ATTEMPTS):
+            base = self._load_index()
+            target = self.entry(step).step
+            try:
+                (flat, manifest), ref = self._replay(target, base.entries, device=device)
+                break
+            except CorruptCheckpointError:  # a file gone or replaced under us: fine if a writer moved on
+                if attempt + 1 == READ_ATTEMPTS or not self._moved(base):
+                    raise
+        entries = base.entries
         if entries[-1].step == target and entries[-1].method == self.method.descriptor:
-            self._ref, self._ref_checked = ref, True  # a resumed run's next save is a delta again
+            self._ref, self._ref_version = ref, base.version  # a resumed run's next save is a delta again
             self.method.resume(manifest.get("method_meta", {}))
             # load_state_dict keeps the tensors it is given and training mutates them in place:
             # hand out copies of anything the writer's reference still holds
@@ -272,20 +285,7 @@ class CheckpointChain:
         return Restored(target, state, flat, manifest)
 
     def _path(self, step: int, entries: list[Entry]) -> list[int]:
-        by_step = {e.step: e for e in entries}
-        path = []
-        cur = step
-        while True:
-            e = by_step.get(cur)
-            if e is None:
-                raise CorruptCheckpointError(f"{self.url}: step {path[-1] if path else step} needs parent step {cur}, "
-                                             "which is not in the chain")
-            path.append(cur)
-            if e.keyframe:
-                return path[::-1]
-            if len(path) > len(entries):
-                raise CorruptCheckpointError(f"{self.url}: parent links form a cycle at step {cur}")
-            cur = e.parent
+        return replay_path(entries, step, self.url)
 
     def _replay(self, step: int, entries: list[Entry], *, device="cpu"):
         by_step = {e.step: e for e in entries}
@@ -294,22 +294,25 @@ class CheckpointChain:
         methods: dict[str, Method] = {}
         for s in self._path(step, entries):
             e = by_step[s]
-            data = self.storage.read(e.file) if self.storage.exists(e.file) else None
-            if data is None:
-                raise CorruptCheckpointError(f"{self.storage.path(e.file)}: committed checkpoint file is missing")
+            try:
+                data = self.storage.read(e.file)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{self.storage.path(e.file)}: committed checkpoint file is missing") \
+                    from None
             if sha256(data) != e.sha256:
                 raise CorruptCheckpointError(f"{self.storage.path(e.file)}: file does not match its index checksum")
             c = decode_container(data, name=self.storage.path(e.file))
             m = c.manifest
             if m.get("step") != s:
                 raise CorruptCheckpointError(f"{self.storage.path(e.file)}: holds step {m.get('step')}, index says {s}")
-            key = m["method"] + json.dumps(m.get("config", {}), sort_keys=True)
+            with malformed(f"{self.storage.path(e.file)}: manifest"):
+                key = m["method"] + json.dumps(m.get("config", {}), sort_keys=True)
+                records = {n: TensorRecord.from_dict(n, r) for n, r in m["records"].items()}
+                enc = Encoded(records={n: {"pipeline": r["pipeline"], "meta": r.get("meta", {}), "blobs": r["blobs"]}
+                                       for n, r in m["records"].items()},
+                              blobs=c.blobs, meta=m.get("method_meta", {}), keyframe=m["keyframe"])
             if key not in methods:
                 methods[key] = method_for_file(m["method"], m.get("config"))
-            records = {n: TensorRecord.from_dict(n, r) for n, r in m["records"].items()}
-            enc = Encoded(records={n: {"pipeline": r["pipeline"], "meta": r.get("meta", {}), "blobs": r["blobs"]}
-                                   for n, r in m["records"].items()},
-                          blobs=c.blobs, meta=m.get("method_meta", {}), keyframe=m["keyframe"])
             for n, r in enc.records.items():  # every stage known before the method reads a byte
                 check_pipeline(r["pipeline"], record=n, method=m["method"].partition("/")[0])
             tensors, ref = methods[key].decode(records, enc, ref, ctx=DecodeContext(step=s, device=device))
@@ -319,57 +322,22 @@ class CheckpointChain:
         return result, ref
 
     # --- maintenance ----------------------------------------------------------------------
-    def _apply_retention(self, entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
-        rp = self.retention
-        if rp.keep_last is None and rp.keep_every is None:
-            return entries, []
-        wanted = {entries[-1].step}
-        if rp.keep_last is not None:
-            wanted |= {e.step for e in entries[-rp.keep_last:]}
-        if rp.keep_every is not None:
-            wanted |= {e.step for e in entries if e.step % rp.keep_every == 0}
-        needed = set()
-        for s in wanted:
-            needed |= set(self._path(s, entries))
-        return [e for e in entries if e.step in needed], [e for e in entries if e.step not in needed]
+    def verify(self, *, deep: bool = True, progress=None) -> list[Problem]:
+        """Check every committed file; return the problems found (empty list: all good).
 
-    def verify(self, *, deep: bool = True) -> list[str]:
-        """Check every committed file; return one line per problem (empty list: all good).
-
-        ``deep`` also decodes every step through its method (catches any undecodable record).
+        ``deep`` also decodes every step through its method (catches any undecodable record);
+        ``progress(step, done, total)`` is called before each step is decoded. A writer committing
+        meanwhile (a file dropped by its retention) makes the check start over on the new index.
         """
-        problems: list[str] = []
-        try:
-            entries = self.entries(refresh=True)
-        except CkptzipError as e:
-            return [str(e)]
-        steps = {e.step for e in entries}
-        for e in entries:
-            where = self.storage.path(e.file)
-            if not e.keyframe and e.parent not in steps:
-                problems.append(f"{where}: needs parent step {e.parent}, which is not in the chain")
+        for attempt in range(READ_ATTEMPTS):
             try:
-                data = self.storage.read(e.file)
-            except FileNotFoundError:
-                problems.append(f"{where}: committed checkpoint file is missing")
-                continue
-            if sha256(data) != e.sha256:
-                problems.append(f"{where}: file does not match its index checksum")
-            try:
-                m = decode_container(data, name=where).manifest
-                if m.get("step") != e.step:
-                    problems.append(f"{where}: holds step {m.get('step')}, index says {e.step}")
-            except CkptzipError as err:
-                problems.append(str(err))
-        if deep and not problems:
-            for e in entries:
-                try:
-                    self._replay(e.step, entries)
-                except CkptzipError as err:
-                    problems.append(f"step {e.step}: {err}")
-                except Exception as err:  # a decoder crash on valid checksums is still a problem to report
-                    problems.append(f"step {e.step}: decode failed: {err.__class__.__name__}: {err}")
-        return problems
+                base = self._load_index()
+            except CorruptCheckpointError as e:  # a storage fault is raised: it says nothing of the chain
+                return [Problem(str(e).removeprefix(self.storage.path(INDEX) + ": "), file=self.storage.path(INDEX))]
+            problems = verify_chain(self, base.entries, deep=deep, progress=progress)
+            if not problems or attempt + 1 == READ_ATTEMPTS or not self._moved(base):
+                return problems
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def truncate(self, step: int) -> list[int]:
         """Roll the chain back to ``step``: drop every later checkpoint; returns the dropped steps.
@@ -379,19 +347,18 @@ class CheckpointChain:
         deleted after, so a crash in between leaves orphans (``gc``), never a dangling entry. Kept
         entries only name earlier steps as parents, so every kept one stays decodable.
         """
-        entries = self.entries(refresh=True)
-        keep = [e for e in entries if e.step <= step]
-        drop = [e for e in entries if e.step > step]
+        base, record = self._claim()
+        keep = [e for e in base.entries if e.step <= step]
+        drop = [e for e in base.entries if e.step > step]
         if drop:
-            self._write_index(keep)  # the commit of the rollback
-            for e in drop:
-                self.storage.delete(e.file)
+            self._commit(keep, base, record, f"rolling back to step {step}")  # the commit of the rollback
+            self._sweep(drop)
             self.forget_reference()
         return [e.step for e in drop]
 
     def forget_reference(self) -> None:
         """Drop the in-memory reference: the next save rebuilds it from storage (slower, never wrong)."""
-        self._ref, self._ref_checked = None, False
+        self._ref, self._ref_version = None, None
 
     def reference_tensors(self) -> list[torch.Tensor]:
         """The tensors the writer's in-memory reference holds (empty when it has none)."""
@@ -403,14 +370,40 @@ class CheckpointChain:
         return [n for n in self.storage.list() if n not in named and (n.endswith(".ckz") or n.endswith(".tmp"))]
 
     def gc(self) -> list[str]:
-        """Delete orphans; returns their names."""
+        """Delete orphans; returns their names.
+
+        A writer's operation: it claims the chain first (ChainBusyError while another writer owns
+        it), so no save in flight elsewhere can lose its file and then commit.
+        """
         gone = self.orphans()
-        for n in gone:
-            self.storage.delete(n)
+        if gone:
+            base, record = self._claim()
+            if not self._lease.mine(base.owner):
+                self._commit(base.entries, base, record, "collecting orphans")
+            named = {e.file for e in self._index.entries}
+            gone = [n for n in gone if n not in named]
+            for n in gone:
+                self.storage.delete(n)
         return gone
 
+    def release(self) -> None:
+        """Give up this process's claim on the chain, if it has one: the next writer (another
+        process, an async engine's agent) takes over without waiting; a writer here that saves
+        again after another took over is fenced."""
+        base = self._load_index()
+        if self._lease.mine(base.owner):
+            self._commit(base.entries, base, self._lease.released(base.owner), "releasing the chain")
+
     def close(self) -> None:
-        self.method.close()
+        """Release the chain if this object wrote to it, and the method's resources."""
+        try:
+            if self._lease.generation is not None:
+                self.release()
+        except Exception as e:  # closing must not fail a finished run; the lease still ends
+            warnings.warn(f"{self.url}: could not release the chain ({type(e).__name__}: {e}); another writer "
+                          "takes over once this process exits (elsewhere: after lease_s)", stacklevel=2)
+        finally:
+            self.method.close()
 
     def __enter__(self):
         return self
@@ -419,8 +412,20 @@ class CheckpointChain:
         self.close()
 
 
-def _dumps(obj) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+class _StorageContext:
+    """Re-raise a StorageError with what it interrupted and what stays loadable (one line)."""
+
+    def __init__(self, what: str):
+        self.what, self.entries = what, None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, err, tb):
+        if isinstance(err, StorageError):
+            kept = f" (step {self.entries[-1].step} stays loadable)" if self.entries else ""
+            raise type(err)(f"{self.what}: {err}; the chain is unchanged{kept}", errno=err.errno) from err
+        return False
 
 
 def _short_list(xs: list[int], n: int = 8) -> str:

@@ -82,6 +82,13 @@ def _open_chain(url: str, *, read_index: bool = True) -> "CheckpointChain":
     return open_chain(url, read_index=read_index)
 
 
+def _dcp_root(url: str) -> bool:
+    """Whether URL is a torch.distributed.checkpoint root written by ckptzip.dcp (not a chain)."""
+    from .dcp.tools import is_root
+
+    return is_root(url)
+
+
 def _config(text: str | None) -> dict | None:
     """--config: a JSON object of config fields."""
     try:
@@ -137,8 +144,15 @@ def ls_(
     chain_url: Annotated[str, typer.Argument(metavar="CHAIN", help="chain folder or URL", show_default=False)],
     as_json: Annotated[bool, typer.Option("--json", help="print the index entries as JSON")] = False,
 ) -> None:
-    """List a chain's checkpoints: kind, parent, method, sizes, ratio and what the method chose."""
+    """List a chain's checkpoints (or a DCP root's steps): kind, parent, method, sizes, ratio and what
+    the method chose."""
     with _bad_input():
+        if _dcp_root(chain_url):
+            from .dcp.tools import list_steps
+            from .tables import dcp_steps_table
+
+            rows = list_steps(chain_url)
+            return typer.echo(json.dumps(rows, indent=1)) if as_json else _out().print(dcp_steps_table(rows, chain_url))
         entries = _open_chain(chain_url).entries()
     if as_json:
         typer.echo(json.dumps([dataclasses.asdict(e) for e in entries], indent=1))
@@ -154,11 +168,19 @@ def inspect(
     step: Annotated[Optional[int], typer.Option(help="step to inspect (default: the latest)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the records as JSON")] = False,
 ) -> None:
-    """Per-tensor view of one checkpoint: role, layer type, dtype, shape, stored bytes, pipeline."""
+    """Per-tensor view of one checkpoint: role, layer type, dtype, shape, stored bytes, pipeline
+    (on a DCP root: one row per rank file, and the tensors' chunk layout with --json)."""
     from .format import read_manifest
-    from .tables import checkpoint_table, record_rows
+    from .tables import checkpoint_table, dcp_step_table, record_rows
 
     with _bad_input():
+        if _dcp_root(chain_url):
+            from .dcp.tools import inspect_step
+
+            info = inspect_step(chain_url, step)
+            if as_json:
+                return typer.echo(json.dumps({**info, "commit": dataclasses.asdict(info["commit"])}, indent=1))
+            return _out().print(dcp_step_table(info, f"step {info['step']} of {chain_url}"))
         chain = _open_chain(chain_url)
         e = chain.entry(step)
         where = chain.storage.path(e.file)
@@ -179,61 +201,45 @@ def verify(
     from .chain import INDEX
 
     with _bad_input():
+        if _dcp_root(chain_url):
+            return _verify_dcp(chain_url)
         chain = _open_chain(chain_url, read_index=False)
-    try:
-        entries = chain.entries(refresh=True)
-    except CkptzipError as e:  # a damaged index is a problem of the chain, not bad input
-        msg = " ".join(str(e).split())
-        typer.echo(msg if INDEX in msg else f"{chain.storage.path(INDEX)}: {msg}")
+    with _bad_input(), _progress() as prog:
+        task = prog.add_task("checking files", total=None)
+
+        def progress(step: int, done: int, total: int) -> None:
+            prog.update(task, description=f"decoding step {step}", completed=done, total=total)
+        problems = chain.verify(deep=True, progress=progress)
+    if problems and problems[0].file == chain.storage.path(INDEX):  # a damaged index: nothing else to check
+        typer.echo(" ".join(str(problems[0]).split()))
         typer.echo("FAILED: the chain index cannot be read")
-        raise typer.Exit(EXIT_PROBLEMS) from None
-    with _progress() as prog:
-        prog.add_task("checking files", total=None)
-        problems = chain.verify(deep=False)
-    problems += _damaged_records(chain, problems)
-    if not problems:
-        with _progress() as prog:
-            task = prog.add_task("decoding", total=len(entries))
-            for e in entries:
-                prog.update(task, description=f"decoding step {e.step}")
-                try:
-                    chain.restore(e.step)
-                except CkptzipError as err:
-                    problems.append(f"step {e.step}: {err}")
-                except Exception as err:  # a decoder crash on valid checksums is still a problem
-                    problems.append(f"step {e.step} ({chain.storage.path(e.file)}): decode failed: "
-                                    f"{err.__class__.__name__}: {err}")
-                prog.advance(task)
+        raise typer.Exit(EXIT_PROBLEMS)
+    n = len(chain.entries())
     for name in chain.orphans():
         typer.echo(f"warning: {chain.storage.path(name)} is in no index entry (left by an interrupted save); "
                    "it can be deleted", err=True)
+    _report(problems, f"{n} checkpoints")
+
+
+def _verify_dcp(url: str) -> None:
+    from .dcp.tools import committed, leftovers, verify as verify_root
+
+    with _progress() as prog:
+        prog.add_task("checking and decoding every rank file", total=None)
+        problems = verify_root(url)
+    for where in leftovers(url):
+        typer.echo(f"warning: {where} holds no commit (left by an interrupted save); it can be deleted", err=True)
+    _report(problems, f"{len(committed(url))} steps")
+
+
+def _report(problems: list, what: str) -> None:
+    """verify's verdict: one line per problem and FAILED (exit 1), or OK."""
     if problems:
         for p in problems:
-            typer.echo(" ".join(p.split()))
-        typer.echo(f"FAILED: {len(problems)} problem(s) in {len(entries)} checkpoints")
+            typer.echo(" ".join(f"{p}; {p.fix}".split()) if p.fix else " ".join(str(p).split()))
+        typer.echo(f"FAILED: {len(problems)} problem(s) in {what}")
         raise typer.Exit(EXIT_PROBLEMS)
-    typer.echo(f"OK: {len(entries)} checkpoints verified")
-
-
-def _damaged_records(chain: "CheckpointChain", problems: list[str]) -> list[str]:
-    """For files named in ``problems``, which records' blobs fail their checksums."""
-    from .format import decode_container, sha256
-
-    out = []
-    for e in chain.entries():
-        where = chain.storage.path(e.file)
-        if not any(where in p for p in problems):
-            continue
-        try:
-            c = decode_container(chain.storage.read(e.file), name=where, verify_blobs=False)
-        except (CkptzipError, OSError):
-            continue  # the header itself is damaged: the problem line already names the file
-        owner = {k: n for n, r in c.manifest.get("records", {}).items() for k in r.get("blobs", {}).values()}
-        for k, data in c.blobs.items():
-            if sha256(data) != c.manifest["blobs"][k].get("sha256"):
-                what = f"record {owner[k]!r}" if k in owner else f"shared blob {k!r}"
-                out.append(f"{where}: {what} is damaged (blob {k} fails its checksum)")
-    return out
+    typer.echo(f"OK: {what} verified")
 
 
 @app.command()
@@ -246,10 +252,19 @@ def restore(
     step: Annotated[Optional[int], typer.Option(help="step to restore (default: the latest)")] = None,
     force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
 ) -> None:
-    """Rebuild one checkpoint from the chain and write it as a .pt, .safetensors or folder."""
+    """Rebuild one checkpoint from the chain and write it as a .pt, .safetensors or folder (a DCP
+    root: its whole state consolidated, as dcp_to_torch_save does, into a .pt or .safetensors)."""
     with _bad_input():
         from .ingest import check_output, write_restored
 
+        if _dcp_root(chain_url):
+            from .dcp.tools import restore_file
+
+            check_output(out, force=force)
+            with _progress() as prog:
+                prog.add_task("decoding every rank file", total=None)
+                got = restore_file(chain_url, str(out), step)
+            return typer.echo(f"restored step {got['step']} -> {out} ({got['tensors']} tensors, {got['format']})")
         chain = _open_chain(chain_url)
         e = chain.entry(step)
         check_output(out, force=force)

@@ -27,17 +27,39 @@ raw values to centers (``assign``) is exact nearest-center via searchsorted on m
 The tiny B-point problem runs on CPU in float64 whatever the input device, so results are
 deterministic for a seed and identical across devices; centers come back float32 on the input's
 device.
+
+**Many histograms at once** (``kmeans_rows``, the quantizer's default ``kmeans="density"``): a
+named, measured variant for speed. Seeding is deterministic instead of sampled: the high-resolution
+optimum of 1-D quantization places centers with density proportional to p^(1/3) (Panter & Dite),
+so centers start at quantiles of (w_i / s_i)^e * s_i (s_i: spacing of the sorted points around
+point i, w_i: its weight) for e = 1/3 and 1/2 (more to the sparse tails), each at three quantile
+grids ((i + .5)/k, i/(k - 1), (i + .25)/(k - .5)); all rows and their six seedings run one
+batched Lloyd (padded rows, converged rows frozen, so a row's result does not depend on its
+batch; a numba kernel beside the plain-torch loop, identical bits) and each row keeps its seeding
+of lowest weighted SSE. On the tensors DynaQuant quantizes (>= 1024 values: every 2-D tensor and
+Adam moment of a trained byte-level GPT, and of the digits MLP) its SSE is 0.97-1.00x that of
+``weighted_kmeans_1d`` on average, at most 1.06x, for k = 4..32 and sigma 0.2 / 1
+(tests/test_kmeans.py); it costs a few dozen torch ops per *batch* instead of thousands per tensor.
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ckptzip.errors import ConfigError, NonFiniteError
 from ckptzip.sketch import LogSketch
 
-__all__ = ["approx_kmeans", "approx_kmeans_from_sketch", "assign", "weighted_kmeans_1d", "bucket_weights"]
+try:  # optional fast path for the batched Lloyd; _lloyd_rows is its plain-torch reference
+    import numba as _numba
+except ImportError:  # pragma: no cover
+    _numba = None
+
+__all__ = ["approx_kmeans", "approx_kmeans_from_sketch", "assign", "weighted_kmeans_1d", "bucket_weights",
+           "kmeans_rows", "INITS"]
+
+INITS = ("density", "kmeans++")  # kmeans_rows' deterministic seeding; weighted_kmeans_1d's sampled one
 
 
 def approx_kmeans(values: torch.Tensor, k: int, *, alpha: float = 0.01, sigma: float = 0.2, seed: int = 0,
@@ -125,6 +147,131 @@ def weighted_kmeans_1d(points: torch.Tensor, weights: torch.Tensor, k: int, *, s
     return best
 
 
+def kmeans_rows(points, counts, k: int, *, sigma: float = 1.0, max_iter: int = 100, tol: float = 1e-7,
+                backend: str = "auto") -> list[torch.Tensor]:
+    """Algorithm 1 on many histograms at once, deterministic (module docstring, "density").
+
+    points[r], counts[r]: (B_r,) sorted strictly ascending bucket representatives (in the
+    k-means domain) and their counts; each row is weighted as ``bucket_weights(points, counts,
+    sigma)``. Returns per row the (m,) float64 centers on CPU sorted ascending, m = min(k, B_r);
+    a row with B_r <= k gets its points. A row's result is the same whatever else is in the batch
+    (sums run in order over padded rows). ``backend``: "auto" (numba Lloyd when installed),
+    "numba" or "torch" (the reference; both give identical bits).
+    """
+    _check_args(k, sigma, max_iter, tol)
+    if backend not in ("auto", "numba", "torch"):
+        raise ConfigError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
+    xs = [torch.as_tensor(x).reshape(-1).to("cpu", torch.float64) for x in points]
+    out: list[torch.Tensor | None] = [x if x.numel() <= k else None for x in xs]
+    todo = [r for r, o in enumerate(out) if o is None]
+    if not todo:
+        return out
+    rows = [xs[r] for r in todo]
+    n = torch.tensor([x.numel() for x in rows], dtype=torch.int64)
+    # pad with the batch's largest point at zero count: every sum, and every searchsorted of a
+    # row's midpoints (all below its own last point), is what the row alone gives
+    pad = float(max(float(x[-1]) for x in rows))
+    x = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)          # (R, B)
+    cnt = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(counts[r]).reshape(-1).to("cpu", torch.float64)
+                                           for r in todo], batch_first=True)           # (R, B)
+    w = _weights_rows(x, cnt, n, sigma)
+    lloyd = _lloyd_rows if backend == "torch" or _numba is None else _lloyd_rows_numba
+    c, cost = lloyd(x, w, n, _density_seeds(x, w, n, k), max_iter, tol)              # (R, S, k), (R, S)
+    best = cost.argmin(1)                                                              # first seeding wins ties
+    pick = c[torch.arange(len(todo)), best]
+    for i, r in enumerate(todo):
+        out[r] = pick[i]
+    return out
+
+
+def _weights_rows(x: torch.Tensor, cnt: torch.Tensor, n: torch.Tensor, sigma: float) -> torch.Tensor:
+    """``bucket_weights`` of every padded row; row sums are in-order cumsums (padding adds 0.0)."""
+    def rowsum(t):
+        return torch.cumsum(t, 1)[:, -1:]
+
+    valid = torch.arange(x.shape[1])[None, :] < n[:, None]
+    freq = cnt / rowsum(cnt).clamp_min(1e-300)
+    mag = torch.where(valid, x.abs(), 0.0)
+    ms = rowsum(mag)
+    mag = torch.where(ms > 0, mag / torch.where(ms > 0, ms, 1.0), 0.0)
+    w = sigma * freq + (1.0 - sigma) * mag
+    return torch.where(rowsum(w) > 0, w, freq)
+
+
+DENSITY_EXPONENTS = (1.0 / 3.0, 0.5)  # p^(1/3): the high-resolution optimum; p^(1/2): more to the tails
+
+
+def _density_seeds(x: torch.Tensor, w: torch.Tensor, n: torch.Tensor, k: int) -> torch.Tensor:
+    """(R, S, k) initial centers: k distinct points at three quantile grids of the p^e mass, for
+    each e in DENSITY_EXPONENTS (S = 3 * len(DENSITY_EXPONENTS))."""
+    R, B = x.shape
+    j = torch.arange(B)[None, :]
+    last = (n - 1)[:, None]
+    s = torch.empty_like(x)                                            # spacing around each point
+    s[:, 1:-1] = (x[:, 2:] - x[:, :-2]) * 0.5
+    s[:, 0], s[:, -1] = x[:, 1] - x[:, 0], 0.0
+    s = torch.where(j == last, x.gather(1, last) - x.gather(1, last - 1), s)
+    dens = w / s.clamp_min(1e-300)
+    i = torch.arange(k, dtype=torch.float64)
+    grids = torch.cat([(i + 0.5) / k, i / max(k - 1, 1), (i + 0.25) / (k - 0.5)])       # (3k,)
+    idx = []
+    for e in DENSITY_EXPONENTS:
+        cm = torch.cumsum(torch.where(j > last, 0.0, dens.pow(e) * s), 1)
+        idx.append(torch.searchsorted(cm, grids[None, :] * cm[:, -1:]).reshape(R, 3, k))
+    idx = torch.cat(idx, 1)
+    ii = torch.arange(k)
+    idx = torch.cummax(idx - ii, 2).values + ii                        # strictly increasing ...
+    idx = torch.minimum(idx, n[:, None, None] - k + ii)                # ... and inside each row
+    S = idx.shape[1]
+    return x.gather(1, idx.reshape(R, S * k)).reshape(R, S, k)
+
+
+def _lloyd_rows(x: torch.Tensor, w: torch.Tensor, n: torch.Tensor, c: torch.Tensor, max_iter: int,
+                tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched weighted Lloyd on sorted rows, S seedings each (prefix sums, as ``_lloyd``); every
+    (row, seeding) stops on its own. c: (R, S, k). Returns the centers and their weighted SSE."""
+    R, S, k = c.shape
+    z = x.new_zeros(R, 1)
+    cw = torch.cat([z, torch.cumsum(w, 1)], 1)                         # (R, B+1) prefix sums
+    cwx = torch.cat([z, torch.cumsum(w * x, 1)], 1)
+    tol_abs = (tol * (x.gather(1, (n - 1)[:, None]) - x[:, :1]))[:, :, None]  # (R, 1, 1)
+    ends = torch.stack([torch.zeros_like(n), n], 1)[:, None, :].expand(R, S, 2)
+    live = torch.ones(R, S, 1, dtype=torch.bool)
+
+    def sums(c, *prefix):
+        mids = (c[..., 1:] + c[..., :-1]) * 0.5                         # same tie rule as assign()
+        b = torch.searchsorted(x, mids.reshape(R, -1), right=True).clamp_max(n[:, None]).reshape(R, S, k - 1)
+        b = torch.cat([ends[..., :1], b, ends[..., 1:]], 2).reshape(R, -1)
+        return [(p.gather(1, b).reshape(R, S, k + 1).diff(dim=2)) for p in prefix]
+
+    for _ in range(max_iter):
+        sw, swx = sums(c, cw, cwx)
+        new = torch.where(sw > 0, swx / sw.clamp_min(1e-300), c)      # an empty cluster keeps its center
+        new = torch.sort(new, 2).values
+        moved = (new - c).abs().amax(2, keepdim=True) > tol_abs
+        c = torch.where(live, new, c)
+        live &= moved
+        if not bool(live.any()):
+            break
+    cwxx = torch.cat([z, torch.cumsum(w * x * x, 1)], 1)
+    sw, swx, swxx = sums(c, cw, cwx, cwxx)
+    return c, torch.cumsum(swxx - 2.0 * c * swx + c * c * sw, 2)[..., -1]  # summed in order, as the kernel
+
+
+def _lloyd_rows_numba(x, w, n, c, max_iter, tol):
+    """``_lloyd_rows`` as one numba call (same operations in the same order: identical bits)."""
+    z = x.new_zeros(x.shape[0], 1)
+    cw = torch.cat([z, torch.cumsum(w, 1)], 1)
+    cwx = torch.cat([z, torch.cumsum(w * x, 1)], 1)
+    cwxx = torch.cat([z, torch.cumsum(w * x * x, 1)], 1)
+    tol_abs = tol * (x.gather(1, (n - 1)[:, None])[:, 0] - x[:, 0])
+    c = c.contiguous().clone()
+    cost = torch.empty(c.shape[:2], dtype=torch.float64)
+    _lloyd_kernel(x.numpy(), n.numpy(), cw.numpy(), cwx.numpy(), cwxx.numpy(), tol_abs.numpy(), int(max_iter),
+                  c.numpy(), cost.numpy())
+    return c, cost
+
+
 def _kmeanspp(x: torch.Tensor, w: torch.Tensor, k: int, g: torch.Generator, n_trials: int) -> torch.Tensor:
     """Algorithm 3: first center ~ w, then each next ~ w * D^2 (D = distance to nearest center).
 
@@ -207,3 +354,58 @@ def _check_args(k: int, sigma: float, max_iter: int, tol: float) -> None:
         raise ConfigError(f"max_iter must be an int >= 1, got {max_iter!r}")
     if not (tol >= 0 and math.isfinite(tol)):
         raise ConfigError(f"tol must be a finite float >= 0, got {tol}")
+
+
+if _numba is not None:
+    @_numba.njit(cache=True, nogil=True)
+    def _lloyd_kernel(x, n, cw, cwx, cwxx, tol_abs, max_iter, c, cost):  # pragma: no cover - compiled
+        R, S, k = c.shape
+        b = np.empty(k + 1, dtype=np.int64)
+        new = np.empty(k, dtype=np.float64)
+        for r in range(R):
+            nr = n[r]
+            for s in range(S):
+                cc = c[r, s]
+                it = 0
+                done = False
+                while True:
+                    b[0] = 0
+                    b[k] = nr
+                    for j in range(k - 1):          # searchsorted(right=True) of each midpoint
+                        mid = (cc[j + 1] + cc[j]) * 0.5
+                        lo, hi = 0, nr
+                        while lo < hi:
+                            h = (lo + hi) >> 1
+                            if x[r, h] <= mid:
+                                lo = h + 1
+                            else:
+                                hi = h
+                        b[j + 1] = lo
+                    if done or it == max_iter:
+                        break
+                    for j in range(k):
+                        sw = cw[r, b[j + 1]] - cw[r, b[j]]
+                        swx = cwx[r, b[j + 1]] - cwx[r, b[j]]
+                        new[j] = swx / max(sw, 1e-300) if sw > 0 else cc[j]
+                    for j in range(1, k):           # insertion sort (k is small)
+                        v = new[j]
+                        i = j - 1
+                        while i >= 0 and new[i] > v:
+                            new[i + 1] = new[i]
+                            i -= 1
+                        new[i + 1] = v
+                    shift = 0.0
+                    for j in range(k):
+                        shift = max(shift, abs(new[j] - cc[j]))
+                        cc[j] = new[j]
+                    it += 1
+                    done = not shift > tol_abs[r]
+                acc = 0.0
+                for j in range(k):
+                    sw = cw[r, b[j + 1]] - cw[r, b[j]]
+                    swx = cwx[r, b[j + 1]] - cwx[r, b[j]]
+                    swxx = cwxx[r, b[j + 1]] - cwxx[r, b[j]]
+                    acc += swxx - 2.0 * cc[j] * swx + cc[j] * cc[j] * sw
+                cost[r, s] = acc
+else:  # pragma: no cover
+    _lloyd_kernel = None

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .configcheck import Range, check_arg
 from .errors import ConfigError
 
 
@@ -53,10 +54,8 @@ class GradientRecorder:
     """Exponential moving averages of each parameter's gradient, kept on the CPU in float32."""
 
     def __init__(self, model: nn.Module, *, beta: float = 0.9, window: int = 50):
-        if not 0.0 <= beta < 1.0:
-            raise ConfigError(f"beta must be in [0, 1), got {beta}; it is the weight of the old EMA")
-        if window < 1:
-            raise ConfigError(f"window must be >= 1 batch, got {window}")
+        check_arg("GradientRecorder beta", beta, float, Range(ge=0, lt=1, note=" (the weight of the old EMA)"))
+        check_arg("GradientRecorder window", window, int, Range(ge=1))
         self.beta = float(beta)
         self.window = int(window)
         # named_parameters() deduplicates tied weights, so each tensor gets one hook and one name

@@ -21,12 +21,19 @@ cumsum/searchsorted/index_add on two short tensors::
 
     ordinal = sign(x) * max(key(x) - key(min_value), 0)
 
+Bucket boundaries are one float64 table per (alpha, min_value), b[j] = gamma^(key(min_value) + j),
+and |ordinal| is *defined* as the number of boundaries below |x| (logbuckets.py): the plain-torch
+reference does exactly that searchsorted (any device, any float dtype); on CPU a numba kernel over
+float32 bits gives the same ordinals bit for bit, one pass at ~3 ns per value (float16 / bfloat16
+are widened to float32 first, exactly; float64 takes the reference).
+
 Quantile convention (the same as the ``ddsketch`` package): quantile(q) estimates the element of
 rank floor(q * (n - 1)) in ascending order (numpy's ``method="lower"``), and returns its bucket's
 representative, so |estimate - exact| <= alpha * |exact| for every q (|exact| > min_value).
 
-Keys are computed in float64 so bucket boundaries are exact to ~1e-16; inputs of any float dtype
-(float16, bfloat16, float32, float64) are read as float64 in chunks to bound memory.
+Many tensors at once: ``segment_histograms(flat, offsets, ...)`` (logbuckets.py) sketches every
+segment of one concatenated buffer in one kernel call (the quantizer batches the tensors of a
+checkpoint this way) and returns them in compressed-row form; ``LogSketch.from_counts`` wraps one.
 """
 from __future__ import annotations
 
@@ -35,13 +42,12 @@ from typing import Sequence
 
 import torch
 
-from ckptzip.errors import ConfigError, NonFiniteError
+from ckptzip.errors import ConfigError
+from ckptzip.logbuckets import HAVE_NUMBA, ordinals, segment_histograms, zero_key
 
-__all__ = ["LogSketch"]
+__all__ = ["LogSketch", "segment_histograms", "HAVE_NUMBA"]
 
 FORMAT = "logsketch/1"
-_CHUNK_CPU = 1 << 18   # elements per pass on CPU: the 2 MiB float64 temporaries stay in L2 (~2x vs 1M)
-_CHUNK_CUDA = 1 << 25  # on GPU only memory matters
 
 
 class LogSketch:
@@ -68,10 +74,22 @@ class LogSketch:
         self.min_value = min_value
         self.gamma = (1.0 + alpha) / (1.0 - alpha)
         self._log_gamma = math.log1p(2.0 * alpha / (1.0 - alpha))  # log(gamma), accurate for tiny alpha
-        self._inv_log_gamma = 1.0 / self._log_gamma
-        self._zero_key = math.ceil(math.log(min_value) * self._inv_log_gamma)  # keys <= this are "zero"
+        self._zero_key = zero_key(alpha, min_value)     # keys <= this are "zero"
         self._ord = torch.zeros(0, dtype=torch.int64)     # (B,) sorted signed bucket ordinals
         self._counts = torch.zeros(0, dtype=torch.int64)  # (B,) count per ordinal, all > 0
+
+    @classmethod
+    def from_counts(cls, ords: torch.Tensor, counts: torch.Tensor, alpha: float = 0.01, *,
+                    min_value: float = 1e-30, sorted_unique: bool = False) -> "LogSketch":
+        """A sketch holding ``counts`` at signed ``ords`` (e.g. rows of :func:`segment_histograms`,
+        concatenated to merge them). ``sorted_unique=True`` trusts that ords are sorted and distinct
+        with counts > 0 (one row as returned) and skips the combine."""
+        s = cls(alpha, min_value=min_value)
+        if sorted_unique:
+            s._ord, s._counts = ords.to(torch.int64), counts.to(torch.int64)
+        else:
+            s._combine(ords, counts)
+        return s
 
     # ------------------------------------------------------------------ building
     def ordinals(self, x: torch.Tensor, name: str | None = None) -> torch.Tensor:
@@ -80,43 +98,25 @@ class LogSketch:
         Monotone in value: x <= y implies ordinal(x) <= ordinal(y). Raises NonFiniteError on inf/NaN.
         """
         x = _as_float_tensor(x, name)
-        flat = x.reshape(-1)
-        out = torch.empty(flat.shape, dtype=torch.int64, device=flat.device)
-        step = _CHUNK_CUDA if flat.is_cuda else _CHUNK_CPU
-        for s in range(0, flat.numel(), step):
-            ordf = self._ordinals_f64(flat[s:s + step])
-            _check_finite(ordf, x, name)
-            out[s:s + step] = ordf.to(torch.int64)
-        return out.reshape(x.shape)
-
-    def _ordinals_f64(self, chunk: torch.Tensor) -> torch.Tensor:
-        # float64 so keys are exact to ~1e-16 at bucket boundaries (float32 log would give ~1e-5
-        # relative slack on the alpha bound). 0 -> log = -inf -> clamped to ordinal 0; inf/NaN
-        # stay non-finite and are caught by the caller from the chunk's min/max.
-        d = chunk.to(torch.float64, copy=True)
-        k = d.abs().log_().mul_(self._inv_log_gamma).ceil_().sub_(self._zero_key).clamp_min_(0.0)
-        return k.copysign_(d)  # in place: one float64 temporary fewer per chunk
+        return ordinals(x.reshape(-1), self.alpha, self.min_value, name).reshape(x.shape)
 
     def add(self, x: torch.Tensor, name: str | None = None) -> "LogSketch":
         """Count every element of ``x`` (any float dtype, any device). Returns self.
 
-        One vectorized pass per chunk: float64 log-keys, then a bincount over the chunk's key range.
-        ``name`` is only used in the NonFiniteError message.
+        CPU float16/bfloat16/float32: one numba pass (lookup table + dense count); otherwise the
+        reference ordinals (logbuckets.py). ``name`` is only used in the NonFiniteError message.
         """
         x = _as_float_tensor(x, name)
         flat = x.reshape(-1)
         if flat.numel() == 0:
             return self
-        step = _CHUNK_CUDA if flat.is_cuda else _CHUNK_CPU
-        parts_o, parts_c = [], []
-        for s in range(0, flat.numel(), step):
-            ordf = self._ordinals_f64(flat[s:s + step])
-            lo, hi = _check_finite(ordf, x, name)
-            counts = torch.bincount(ordf.sub_(lo).to(torch.int64), minlength=int(hi - lo) + 1)
-            nz = counts.nonzero().squeeze(1)
-            parts_o.append(nz + int(lo))
-            parts_c.append(counts[nz])
-        self._combine(torch.cat(parts_o), torch.cat(parts_c))
+        (ords, counts, _), = segment_histograms(flat, [0, flat.numel()], alpha=self.alpha,
+                                                min_value=self.min_value, names=[name or "tensor"])
+        ords, counts = ords.to(flat.device), counts.to(flat.device)
+        if self._ord.numel():
+            self._combine(ords, counts)
+        else:  # already sorted and distinct
+            self._ord, self._counts = ords, counts
         return self
 
     def merge(self, other: "LogSketch") -> "LogSketch":
@@ -191,6 +191,11 @@ class LogSketch:
         sketch's device), all answered with one cumsum and one searchsorted. An empty sketch gives NaN.
         """
         scalar = isinstance(q, (int, float))
+        if scalar and 0.0 <= q <= 1.0 and self._counts.numel():  # one value: skip the tensor setup
+            cum = torch.cumsum(self._counts, 0)
+            n = int(cum[-1])
+            pos = min(int(torch.searchsorted(cum, math.floor(q * (n - 1)), right=True)), cum.numel() - 1)
+            return float(self.ordinal_values(self._ord[pos:pos + 1])[0])
         qt = torch.as_tensor(q, dtype=torch.float64).to(self.device)
         if qt.numel() and not bool(((qt >= 0) & (qt <= 1)).all()):
             raise ConfigError(f"quantile q must be in [0, 1], got {q}")
@@ -252,6 +257,20 @@ class LogSketch:
         s._combine(ords, counts)  # sorts, and merges repeated keys
         return s
 
+    def ordinal_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sorted signed bucket ordinals, counts), both int64: the sparse store, e.g. for a dense
+        all-reduce across ranks (dist.all_reduce_sketches). Copies."""
+        return self._ord.clone(), self._counts.clone()
+
+    @classmethod
+    def from_ordinal_counts(cls, alpha: float, ordinals: torch.Tensor, counts: torch.Tensor, *,
+                            min_value: float = 1e-30) -> "LogSketch":
+        """Inverse of ordinal_counts (repeated ordinals are summed, zero counts dropped)."""
+        s = cls(alpha, min_value=min_value)
+        keep = counts > 0
+        s._combine(ordinals[keep].to(torch.int64), counts[keep].to(torch.int64))
+        return s
+
     def copy(self) -> "LogSketch":
         s = LogSketch(self.alpha, min_value=self.min_value)
         s._ord, s._counts = self._ord.clone(), self._counts.clone()
@@ -273,22 +292,11 @@ class LogSketch:
         return f"LogSketch(alpha={self.alpha}, count={self.count}, buckets={self.num_buckets})"
 
 
+
+
 def _as_float_tensor(x, name: str | None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         x = torch.as_tensor(x)
     if not x.is_floating_point():
         raise ConfigError(f"{name or 'tensor'} must be a float tensor, got {x.dtype}")
     return x.detach()
-
-
-def _check_finite(ordf: torch.Tensor, x: torch.Tensor, name: str | None) -> tuple[float, float]:
-    """(min, max) of a chunk's float ordinals; raises NonFiniteError if x holds inf/NaN."""
-    if ordf.numel() == 0:
-        return 0.0, 0.0
-    lo, hi = (float(v) for v in torch.aminmax(ordf))
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        bad = int((~torch.isfinite(x)).sum())
-        raise NonFiniteError(
-            f"{name or 'tensor'} holds {bad} non-finite value(s) (inf/NaN) out of {x.numel()}; "
-            f"a quantile sketch needs finite values: fix or drop them before compressing")
-    return lo, hi

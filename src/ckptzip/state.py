@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .errors import CorruptCheckpointError, UnsupportedStateError
 from .tensorbytes import FLOAT_DTYPES, dtype_name
 
 # Optimizer-state entries that are moments of a parameter (lossy codecs may compress these).
@@ -267,7 +268,7 @@ def flatten_state(state: dict, model: nn.Module | None = None,
         if key is not None:
             seen[key] = name
         if name in tensors:
-            raise ValueError(f"two tensors map to the record name {name!r}; rename one of the keys")
+            raise UnsupportedStateError(f"two tensors map to the record name {name!r}; rename one of the keys")
         role, ltype, param = "tensor", "other", None
         if len(path) == 2 and path[0] == "model" and model_sd is not None:
             key = str(path[1])
@@ -294,7 +295,8 @@ def flatten_state(state: dict, model: nn.Module | None = None,
             arr = np.ascontiguousarray(obj)
             carrier = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}.get(arr.dtype.itemsize)
             if arr.dtype.kind not in "biuf" or carrier is None:
-                raise TypeError(f"numpy array of dtype {arr.dtype} at {'/'.join(map(str, path))} is not supported")
+                raise UnsupportedStateError(f"numpy array of dtype {arr.dtype} at {'/'.join(map(str, path))} is not "
+                                            "supported; convert it to a bool, int or float array")
             ref = record(path, torch.from_numpy(arr.view(carrier).copy()))
             return {"__t": "ndarray", "ref": ref["ref"], "np": arr.dtype.str}
         if isinstance(obj, np.generic):
@@ -305,7 +307,8 @@ def flatten_state(state: dict, model: nn.Module | None = None,
             items = []
             for k, v in obj.items():
                 if not isinstance(k, str | int | float | bool | type(None)):
-                    raise TypeError(f"dict key {k!r} at {'/'.join(map(str, path))} must be str/int/float/bool")
+                    raise UnsupportedStateError(f"dict key {k!r} at {'/'.join(map(str, path))} must be "
+                                                "str/int/float/bool; convert it to a string")
                 items.append([k, walk(v, path + [k])])
             return {"__t": "dict", "items": items}
         if isinstance(obj, list):
@@ -324,7 +327,7 @@ def flatten_state(state: dict, model: nn.Module | None = None,
             return {"__t": "bytes", "v": base64.b64encode(bytes(obj)).decode()}
         if isinstance(obj, torch.dtype):
             return {"__t": "dtype", "v": str(obj).removeprefix("torch.")}
-        raise TypeError(
+        raise UnsupportedStateError(
             f"cannot store {type(obj).__name__} at {'/'.join(map(str, path)) or '<root>'} without pickle; "
             "convert it to tensors, numbers, strings, lists or dicts")
 
@@ -372,7 +375,8 @@ def unflatten_state(skeleton, tensors: dict[str, torch.Tensor]):
                 return getattr(torch, obj["v"])
             if tag == "size":
                 return torch.Size(obj["v"])
-            raise ValueError(f"unknown skeleton tag {tag!r}")
+            raise CorruptCheckpointError(f"unknown skeleton tag {tag!r}: a corrupt file, or one written by a newer "
+                                         "ckptzip (upgrade ckptzip)")
         if isinstance(obj, list):
             return [walk(v) for v in obj]
         return obj

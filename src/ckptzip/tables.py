@@ -108,3 +108,31 @@ def exact_optimizer_state(rows: list[dict]) -> str:
         if r["name"].startswith("optimizer/state/") and r["role"] != "step" and (r["pipeline"] or [""])[0] == "exact/1":
             roles[str(r["role"])] = roles.get(str(r["role"]), 0) + 1
     return ", ".join(f"{role} x{n}" for role, n in sorted(roles.items()))
+
+
+def dcp_steps_table(rows: list[dict], title: str) -> Table:
+    """ckptzip ls on a DCP root (dcp.tools.list_steps): one row per committed step."""
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r["summary"] if k not in keys and k in LS_COLUMNS]
+    t = _table(["step", "world", "keyframe ranks", "method", "bytes", "raw bytes", "ratio", *keys], title=title)
+    for r in rows:
+        t.add_row(str(r["step"]), str(r["world_size"]), f"{r['keyframe_ranks']}/{r['world_size']}", r["method"],
+                  size(r["nbytes"]), size(r["raw_bytes"]), ratio(r["raw_bytes"], r["nbytes"]),
+                  *[_cell(r["summary"][k]) if k in r["summary"] else "" for k in keys])
+    raw, stored = sum(r["raw_bytes"] for r in rows), sum(r["nbytes"] for r in rows)
+    t.caption = f"{len(rows)} steps: {size(raw)} -> {size(stored)} ({ratio(raw, stored)})"
+    return t
+
+
+def dcp_step_table(info: dict, title: str) -> Table:
+    """ckptzip inspect on a DCP root (dcp.tools.inspect_step): one row per rank file."""
+    t = _table(("rank", "file", "kind", "parent", "bytes", "raw bytes", "ratio", "reference bytes"), title=title,
+               title_justify="left")
+    for f in info["ranks"]:
+        t.add_row(str(f["rank"]), f["file"], "keyframe" if f["keyframe"] else "delta",
+                  "-" if f["parent"] is None else str(f["parent"]), size(f["nbytes"]), size(f["raw_bytes"]),
+                  ratio(f["raw_bytes"], f["nbytes"]), size(f.get("reference_bytes") or 0))
+    t.caption = f"{len(info['tensors'])} tensors ({sum(v['chunks'] for v in info['tensors'].values())} chunks), " \
+                f"{len(info['bytes_items'])} bytes items; restore needs steps {list(info['commit'].needs)}"
+    return t

@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .errors import CorruptCheckpointError, UnsupportedStateError
+
 # torch dtype name -> (torch dtype, numpy dtype used to carry its bits)
 DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
     "float64": (torch.float64, np.dtype("<f8")),
@@ -25,15 +27,21 @@ FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
 def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPES:
-        raise TypeError(f"tensor dtype {dtype} is not supported; convert it to one of {sorted(DTYPES)}")
+        raise UnsupportedStateError(f"tensor dtype {dtype} is not supported; convert it to one of {sorted(DTYPES)}")
     return name
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a dtype name read from a file (CorruptCheckpointError if it is none we write)."""
+    return _dtypes(name)[0]
+
+
+def _dtypes(name: str) -> tuple[torch.dtype, np.dtype]:
     try:
-        return DTYPES[name][0]
-    except KeyError:
-        raise TypeError(f"unknown dtype name {name!r}; expected one of {sorted(DTYPES)}") from None
+        return DTYPES[name]
+    except (KeyError, TypeError):  # TypeError: an unhashable value from a malformed manifest
+        raise CorruptCheckpointError(f"unknown dtype name {name!r} (a corrupt file, or one written by a newer "
+                                     f"ckptzip); this reader knows {sorted(DTYPES)}") from None
 
 
 def to_numpy_bits(t: torch.Tensor) -> np.ndarray:
@@ -51,12 +59,10 @@ def tensor_to_bytes(t: torch.Tensor) -> bytes:
 
 def tensor_from_bytes(buf: bytes | bytearray | memoryview, dtype: str, shape) -> torch.Tensor:
     """Inverse of tensor_to_bytes; returns a fresh, writable CPU tensor."""
-    tdtype, npdtype = DTYPES[dtype]
+    tdtype, npdtype = _dtypes(dtype)
     shape = tuple(int(s) for s in shape)
     n = int(np.prod(shape, dtype=np.int64)) if shape else 1
     if len(buf) != n * npdtype.itemsize:
-        from .errors import CorruptCheckpointError
-
         raise CorruptCheckpointError(
             f"tensor data has {len(buf)} bytes, expected {n * npdtype.itemsize} for {dtype}{list(shape)}"
         )

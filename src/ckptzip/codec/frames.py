@@ -26,8 +26,10 @@ import threading
 
 import zstandard
 
+from ..configcheck import Range
 from ..errors import CorruptCheckpointError
 
+ZSTD_LEVELS = Range(ge=1, le=22)  # the levels a config may choose (the fast negative ones are not used)
 _XZ_MAX_DICT = 64 << 20  # preset 9's dictionary
 _local = threading.local()  # zstd contexts are not thread-safe: one set per thread
 

@@ -32,6 +32,16 @@ def markdown_table(results: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
+def print_table(results: list[RunResult], console) -> None:
+    """The results table: a Rich table on a terminal; the markdown table otherwise, written as is,
+    so a pipe or a log file keeps every column (Rich would crop or wrap it to 80 characters)."""
+    if console.is_terminal:
+        console.print(rich_table(results))
+    else:
+        console.file.write(markdown_table(results) + "\n")
+        console.file.flush()
+
+
 def rich_table(results: list[RunResult]):
     from rich.table import Table
 

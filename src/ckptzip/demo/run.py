@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from ..methods.base import available_methods
 from . import workloads as W
 from .faults import run
-from .report import rich_table, write_report
+from .report import print_table, write_report
 
 DEFAULT_METHODS = ("lossless", "dynaquant", "excp-fixed", "bitsnap")
 DEFAULT_WORKLOADS = ("digits", "gpt2", "minilm")
@@ -59,7 +59,7 @@ def main(workloads=DEFAULT_WORKLOADS, methods=None, failures: int | None = None,
                 prog.update(task, completed=wl.total_steps,
                             description=label + (f" ratio {r.ratio:.1f}x" if method else ""))
                 results.append(r)
-    console.print(rich_table(results))
+    print_table(results, console)
     meta = {"workloads": {w: workload_for(w, full).description for w in workloads}, "methods": chosen,
             "failures": failures, "threshold": threshold, "full": full,
             "wall_s": round(time.perf_counter() - t_start, 1)}

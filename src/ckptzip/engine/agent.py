@@ -62,7 +62,8 @@ class _Agent:
         self.chain = CheckpointChain(spec["url"], method,
                                      keyframe=KeyframePolicy(**spec["keyframe"]) if spec.get("keyframe") else None,
                                      retention=RetentionPolicy(**spec["retention"]) if spec.get("retention") else None,
-                                     storage_options=spec.get("storage_options"))
+                                     storage_options=spec.get("storage_options"),
+                                     takeover=bool(spec.get("takeover")))
         self.segments: dict[int, object] = {}
         self.trainer_gone = False
         self.inbox: queue.Queue = queue.Queue()
@@ -179,6 +180,8 @@ class _Agent:
 
     # --- work -----------------------------------------------------------------------------
     def commit(self, slot: int, seq: int, step: int) -> None:
+        from ..errors import CorruptCheckpointError, StepOrderError
+
         st = self.staging
         seg = None
         try:
@@ -190,8 +193,6 @@ class _Agent:
                 raise RuntimeError(f"slot {seg.name} no longer holds step {step} (seq {seq}): it was overwritten "
                                    "or torn before the agent reached it")
             if not st.ensure_checksum(seg, info):
-                from ..errors import CorruptCheckpointError
-
                 raise CorruptCheckpointError(f"slot {seg.name} (step {step}) fails its checksum; not committed")
             entries = self.chain.entries(refresh=True)
             done = next((e for e in entries if e.step == step), None)
@@ -200,8 +201,8 @@ class _Agent:
                 self.emit(ev="committed", seq=seq, step=step, entry=dataclasses.asdict(done), again=True)
                 return
             if entries and step < entries[-1].step:
-                raise ValueError(f"step {step} is older than the chain's latest step {entries[-1].step}; "
-                                 "it was superseded and is not committed")
+                raise StepOrderError(f"step {step} is older than the chain's latest step {entries[-1].step}; "
+                                     "it was superseded and is not committed")
             entry = self._encode(seg, info, step)
             st.set_state(seg, st.COMMITTED)
             self.emit(ev="committed", seq=seq, step=step, entry=dataclasses.asdict(entry))

@@ -20,9 +20,10 @@ import shutil
 
 from transformers import TrainerCallback
 
+from ..api import ARGS, checkpoint_budget
 from ..chain import CheckpointChain, KeyframePolicy, RetentionPolicy
+from ..configcheck import check_arg, check_args
 from ..ingest import LAYOUTS, TRAINER_LAYOUT, write_restored
-from ..api import checkpoint_budget
 from ..methods.base import EncodeContext
 
 
@@ -31,6 +32,9 @@ class CkptzipCallback(TrainerCallback):
                  threshold: float = 0.01, eval_fn=None, higher_is_better: bool = False,
                  keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
                  restores: int = 10):
+        check_args("CkptzipCallback", ARGS, threshold=threshold, eval_fn=eval_fn, higher_is_better=higher_is_better,
+                   keyframe=keyframe, retention=retention, restores=restores)
+        check_arg("CkptzipCallback delete_folders", delete_folders, bool)
         self.chain = CheckpointChain(chain_url, method, config, keyframe=keyframe, retention=retention)
         self.delete_folders = delete_folders
         self.threshold, self.eval_fn, self.higher_is_better = threshold, eval_fn, higher_is_better

@@ -20,11 +20,12 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
 
+from ..api import ARGS, checkpoint_budget
 from ..chain import CheckpointChain, KeyframePolicy, RetentionPolicy
+from ..configcheck import Range, check_arg, check_args
 from ..errors import ConfigError
 from ..ingest import lightning as layout
-from ..api import checkpoint_budget
-from ..methods.base import EncodeContext
+from ..methods.base import EncodeContext, get_method
 from ..sensitivity import GradientRecorder, should_arm
 
 CHAIN_DIR = "ckptzip-chain"
@@ -34,6 +35,9 @@ class CompressedCheckpointIO(CheckpointIO):
     def __init__(self, method: str = "lossless", config=None, *, threshold: float = 0.01, eval_fn=None,
                  higher_is_better: bool = False, keyframe: KeyframePolicy | None = None,
                  retention: RetentionPolicy | None = None, restores: int = 10):
+        check_args("CompressedCheckpointIO", ARGS, threshold=threshold, eval_fn=eval_fn,
+                   higher_is_better=higher_is_better, keyframe=keyframe, retention=retention, restores=restores)
+        get_method(method, config).close()  # a bad method or config is refused now, not at the first save
         self.method, self.config = method, config
         self.threshold, self.eval_fn, self.higher_is_better = threshold, eval_fn, higher_is_better
         self.budget = checkpoint_budget(threshold, restores)  # api.Compressor explains
@@ -99,8 +103,9 @@ class SensitivityCallback(Callback):
     """
 
     def __init__(self, window: int = 50, every_n_train_steps: int | None = None):
-        if every_n_train_steps is not None and every_n_train_steps < 1:
-            raise ConfigError(f"every_n_train_steps must be >= 1 (or None to learn it), got {every_n_train_steps}")
+        check_arg("SensitivityCallback window", window, int, Range(ge=1))
+        check_arg("SensitivityCallback every_n_train_steps", every_n_train_steps, int | None,
+                  Range(ge=1, note=" (None: learned from the saves)"))
         self.window, self.every = window, every_n_train_steps
         self._rec: GradientRecorder | None = None
         self._learned: int | None = None   # steps between the last two saves

@@ -32,6 +32,7 @@ import torch
 
 from ..codec import bytegroup
 from ..codec import stages as S
+from ..configcheck import check_tree, check_value
 from ..errors import ConfigError, CorruptCheckpointError, UnknownMethodError
 from ..state import FlatState, TensorRecord
 from ..tensorbytes import tensor_from_bytes, tensor_to_bytes
@@ -91,6 +92,8 @@ class EncodeContext:
     gradients: dict[str, torch.Tensor] | None = None  # param name -> gradient EMA (sensitivity)
     force_keyframe: bool = False
     process_group: object | None = None           # parallel search trials; every rank must call save
+    search: dict | None = None                    # a config search already run elsewhere (async saves:
+                                                  # the trainer's search thread): {"knobs", "info", "state"}
 
 
 @dataclass(kw_only=True)
@@ -118,6 +121,7 @@ class Method(ABC):
         if not isinstance(config, self.config_cls):
             raise ConfigError(f"method {self.name!r} takes a {self.config_cls.__name__}, got {type(config).__name__}")
         self.config = merge_config(config, overrides) if overrides else config
+        check_tree(self.config)  # nested configs built by hand, whose classes may not check their types
 
     @classmethod
     def upgrade_config(cls, config: dict, version: int) -> dict:
@@ -167,10 +171,7 @@ def config_from_dict(cls: type, d: dict):
         if dataclasses.is_dataclass(hints[k]) and isinstance(v, dict):
             v = config_from_dict(hints[k], v)
         kwargs[k] = tuple(v) if isinstance(v, list) else v
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # a nested field given something that is neither its config nor a dict
-        raise ConfigError(f"{cls.__name__}: {e}") from None
+    return _build(cls, kwargs, lambda: cls(**kwargs))
 
 
 def merge_config(config, overrides: dict):
@@ -181,11 +182,20 @@ def merge_config(config, overrides: dict):
         if dataclasses.is_dataclass(cur) and isinstance(v, dict):
             v = merge_config(cur, v)
         kw[k] = v
+    if set(kw) - {f.name for f in dataclasses.fields(config)}:
+        config_from_dict(type(config), kw)  # raises the message a config dict with an unknown key gets
+    return _build(type(config), kw, lambda: dataclasses.replace(config, **kw))
+
+
+def _build(cls: type, kwargs: dict, make: Callable):
+    """``make()``: the config's own checks speak first (they name the valid range); a class that
+    compares a value before checking its type gets the field named here instead of a TypeError."""
     try:
-        return dataclasses.replace(config, **kw)
-    except TypeError:  # an unknown key: the same message as a config dict gives
-        config_from_dict(type(config), kw)
-        raise
+        return make()
+    except TypeError as e:
+        for k, v in kwargs.items():
+            check_value(cls, k, v)
+        raise ConfigError(f"{cls.__name__}: {e}") from None
 
 
 def method_for_file(descriptor: str, config: dict | None) -> Method:
@@ -221,7 +231,13 @@ def register(cls: type[Method]) -> type[Method]:
 
 
 def method_class(name_or_descriptor: str) -> type[Method]:
+    if not isinstance(name_or_descriptor, str):
+        raise ConfigError(f"a method is named by a string such as 'lossless', got {name_or_descriptor!r} "
+                          f"({type(name_or_descriptor).__name__}); available: {', '.join(available_methods())}")
     name, _, ver = name_or_descriptor.partition("/")
+    if ver and not ver.isdecimal():
+        raise UnknownMethodError(f"method descriptor {name_or_descriptor!r} has no integer version; "
+                                 f"expected 'name' or 'name/<version>', e.g. 'lossless/1'")
     if name not in _REGISTRY and name in _BUILTIN:
         try:
             importlib.import_module(_BUILTIN[name])

@@ -72,6 +72,7 @@ import torch
 
 from ..codec import bitmask, bytegroup, frames
 from ..codec import stages as S
+from ..configcheck import OneOf, Range, check_fields
 from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError
 from ..quant import cluster8
 from ..quant.base import apply_codebook
@@ -100,14 +101,8 @@ class BitSnapConfig:
                                       # module docstring); False: the paper's round-to-nearest
 
     def __post_init__(self):
-        if not isinstance(self.max_cached_iterations, int) or self.max_cached_iterations < 0:
-            raise ConfigError(f"max_cached_iterations must be an int >= 0 (0: every save is a base), "
-                              f"got {self.max_cached_iterations!r}")
-        cluster8.Cluster8Config(self.n_clusters)  # raises ConfigError naming the valid range
-        if not isinstance(self.zstd_level, int) or not 1 <= self.zstd_level <= 22:
-            raise ConfigError(f"zstd_level must be an int in [1, 22], got {self.zstd_level!r}")
-        if self.payload_codec not in PAYLOAD_CODECS:
-            raise ConfigError(f"payload_codec must be one of {PAYLOAD_CODECS}, got {self.payload_codec!r}")
+        check_fields(self, max_cached_iterations=Range(ge=0, note=" (0: every save is a base)"),
+                     n_clusters=cluster8.N_CLUSTERS, zstd_level=frames.ZSTD_LEVELS, payload_codec=OneOf(PAYLOAD_CODECS))
 
 
 @dataclass(frozen=True)

@@ -43,10 +43,20 @@ class DynaQuantMethod(QuantizingMethod):
     uses_gradients = True  # the search tries both prune metrics
 
     def quantize_weights(self, state, records, qconfig, gradients):
-        grads = {n: gradients[r.param] for n, r in records.items() if r.param in gradients} if gradients else None
-        plan = dq.fit_layer_thresholds({n: (state.tensors[n], r.layer_type, "weight") for n, r in records.items()},
-                                       qconfig, grads)
-        return ((n, dq.quantize(state.tensors[n], n, plan)) for n in plan.tensors)
+        tensors, grads = _weights(state, records, gradients)
+        return iter(dq.quantize_tensors(tensors, qconfig, grads)[1].items())  # one batched pass
+
+    def search_prepare(self, state, reference, gradients):
+        """The search's per-checkpoint batch: every weight sketched once, candidates estimated from
+        the histograms, only evaluated ones quantized (quant/dqsearch.py)."""
+        from ..quant.dqbatch import fast_path
+        from ..quant.dqsearch import SearchSketch
+
+        tensors, grads = _weights(state, self.search_records(state), gradients)
+        if not fast_path(t for t, _, _ in tensors.values()):
+            return None  # CUDA, or shards sharing sketches (dcp): quantize per candidate
+        return SearchSketch(tensors, self.config.quantizer, grads, getattr(reference, "weights", None),
+                            self.search_coding)
 
     def dequantize_weight(self, q):
         return dq.dequantize(q)
@@ -54,3 +64,9 @@ class DynaQuantMethod(QuantizingMethod):
     @classmethod
     def upgrade_config(cls, config: dict, version: int) -> dict:
         return upgrade_v1_config(config)
+
+
+def _weights(state, records, gradients):
+    """(name -> (tensor, layer type, "weight"), name -> gradient EMA or None) for the quantizer."""
+    grads = {n: gradients[r.param] for n, r in records.items() if r.param in gradients} if gradients else None
+    return {n: (state.tensors[n], r.layer_type, "weight") for n, r in records.items()}, grads

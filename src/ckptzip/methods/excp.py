@@ -134,10 +134,7 @@ class ExcpMethod(Method):
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
-        raw = R.read_payload(encoded)
-        prev = R.checked_reference(reference, self.name)
-        if not encoded.keyframe and prev is None:
-            raise CorruptCheckpointError("ExCP delta checkpoint decoded without its parent's reference")
+        raw, prev = R.open_file(encoded, reference, self.name)
         out: dict[str, torch.Tensor] = {}
         moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         later = []
@@ -152,7 +149,7 @@ class ExcpMethod(Method):
                     raise CorruptCheckpointError(f"record {name!r} is an ExCP residual; its parent lacks the weights")
                 blobs = {k: R.cut(raw, s, name) for k, s in spans.items()}
                 dw, m, v = decode_tensor(blobs, meta.get("excp"), device=ctx.device)
-                out[name] = R.check(name, apply_residual(w_prev.to(ctx.device), dw), rec)
+                out[name] = R.add_residual(name, w_prev, dw, rec)
                 moments[name] = (m, v)
             elif pipe[0] == FROM_BASE and prev is not None:
                 b = prev.base.get(name)

@@ -35,9 +35,11 @@ from dataclasses import dataclass
 import torch
 
 from ..codec import stages as S
-from ..errors import ConfigError, CorruptCheckpointError
-from ..quant.excp import (FORMAT, FORMAT_V1, PARTS, ExcpConfig, Part, apply_residual, decode_parts, encode_parts,
-                          quantize_part, read_meta, residual)
+from ..codec.frames import ZSTD_LEVELS
+from ..configcheck import OneOf, Range, check_fields
+from ..errors import ConfigError, CorruptCheckpointError, malformed
+from ..quant.excp import (FORMAT, FORMAT_V1, PARTS, RULES, ExcpConfig, Part, apply_residual, decode_parts,
+                          encode_parts, quantize_part, read_meta, residual)
 from ..state import FlatState, TensorRecord
 from ..tensorbytes import tensor_from_bytes, tensor_to_bytes, torch_dtype
 from . import excp_records as R
@@ -64,18 +66,11 @@ class ExcpFixedConfig:
     exact_min_bytes: int = 4096          # smaller exact tensors go raw into the payload instead
 
     def __post_init__(self):
-        self.tensor_config()  # validates the shared fields with ExcpConfig's messages
-        if self.keyframe_weights not in ("lossless", "kmeans"):
-            raise ConfigError(f"ExcpFixedConfig.keyframe_weights must be 'lossless' or 'kmeans', "
-                              f"got {self.keyframe_weights!r}")
+        check_fields(self, **RULES, keyframe_weights=OneOf(("lossless", "kmeans")),
+                     exact_zstd_level=ZSTD_LEVELS, exact_min_bytes=Range(ge=0))
         if not self.coders or any(c not in CODERS for c in self.coders):
             raise ConfigError(f"ExcpFixedConfig.coders must be a non-empty subset of {tuple(CODERS)}, "
                               f"got {self.coders!r}")
-        if not (isinstance(self.exact_zstd_level, int) and 1 <= self.exact_zstd_level <= 22):
-            raise ConfigError(f"ExcpFixedConfig.exact_zstd_level must be an int in 1..22, "
-                              f"got {self.exact_zstd_level!r}")
-        if not (isinstance(self.exact_min_bytes, int) and self.exact_min_bytes >= 0):
-            raise ConfigError(f"ExcpFixedConfig.exact_min_bytes must be an int >= 0, got {self.exact_min_bytes!r}")
 
     def tensor_config(self) -> ExcpConfig:
         return ExcpConfig(alpha=self.alpha, beta=self.beta, bits=self.bits, codebook_dtype=self.codebook_dtype,
@@ -164,10 +159,7 @@ class ExcpFixedMethod(Method):
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
-        raw = R.read_payload(encoded)
-        prev = R.checked_reference(reference, self.name)
-        if not encoded.keyframe and prev is None:
-            raise CorruptCheckpointError("ExCP delta checkpoint decoded without its parent's reference")
+        raw, prev = R.open_file(encoded, reference, self.name)
         if R.CODES not in encoded.blobs:
             raise CorruptCheckpointError("excp-fixed checkpoint lacks its 'codes' blob")
         streams = StreamReader(encoded.blobs[R.CODES], encoded.meta.get("streams") or {}, self.config.bits)
@@ -194,7 +186,7 @@ class ExcpFixedMethod(Method):
 
     def _decode_joint(self, name, rec, pipe, tmeta, raw, streams, encoded, prev, ctx):
         """One parameter: its weight and (m^, v^)."""
-        try:
+        with malformed(f"record {name!r}: ExCP meta"):
             shape, bits, _ = read_meta(tmeta, (FORMAT, FORMAT_V1, KEYFRAME_FORMAT))
             numel = math.prod(shape)
             parts: dict[str, Part] = {}
@@ -217,7 +209,7 @@ class ExcpFixedMethod(Method):
                 if w_prev is None or pipe[0] != S.EXCP_RESIDUAL.descriptor or set(parts) != set(PARTS):
                     raise CorruptCheckpointError(f"record {name!r} is an ExCP residual; its parent lacks the weights")
                 dw, m, v = decode_parts(parts, tmeta, ctx.device)
-                return R.check(name, apply_residual(w_prev.to(ctx.device), dw), rec), (m, v)
+                return R.add_residual(name, w_prev, dw, rec), (m, v)
             if not {"m", "v"} <= set(parts):
                 raise CorruptCheckpointError(f"record {name!r} keyframe lacks its moment parts")
             m, v = self._values(parts, tmeta, ("m", "v"), ctx.device)
@@ -228,10 +220,6 @@ class ExcpFixedMethod(Method):
             else:
                 raise CorruptCheckpointError(f"record {name!r} keyframe weight has pipeline {pipe}")
             return R.check(name, w, rec), (m, v)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            if isinstance(e, CorruptCheckpointError):
-                raise
-            raise CorruptCheckpointError(f"record {name!r}: ExCP meta is malformed ({e!r})") from None
 
 
 __all__ = ["ExcpFixedMethod", "ExcpFixedConfig"]

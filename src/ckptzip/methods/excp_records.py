@@ -26,6 +26,7 @@ import torch
 
 from ..codec import stages as S
 from ..errors import ConfigError, CorruptCheckpointError
+from ..quant.excp import apply_residual
 from ..state import FlatState, TensorRecord
 from .base import Encoded, Reference
 
@@ -55,6 +56,16 @@ def checked_reference(reference: Reference | None, method: str) -> ExcpReference
         raise ConfigError(f"{method} was given a reference it did not make ({type(reference).__name__}); pass the "
                           "Reference its encode/decode returned, or None for a keyframe")
     return reference
+
+
+def open_file(encoded: Encoded, reference: Reference | None, method: str) -> tuple[bytes, ExcpReference | None]:
+    """(the decompressed payload, the parent's reference) of a file about to be decoded; a delta
+    decoded without its parent's reference is refused."""
+    raw = read_payload(encoded)
+    prev = checked_reference(reference, method)
+    if not encoded.keyframe and prev is None:
+        raise CorruptCheckpointError(f"{method} delta checkpoint decoded without its parent's reference")
+    return raw, prev
 
 
 class SpanWriter:
@@ -135,6 +146,16 @@ def check(name: str, t: torch.Tensor, rec: TensorRecord) -> torch.Tensor:
         raise CorruptCheckpointError(f"record {name!r} decodes to {t.dtype}{list(t.shape)}, "
                                      f"its manifest says {rec.dtype}{list(rec.shape)}")
     return t
+
+
+def add_residual(name: str, w_prev: torch.Tensor | None, dw: torch.Tensor, rec: TensorRecord) -> torch.Tensor:
+    """The record's weight W~_{t-1} + dW^ on dW's device, or CorruptCheckpointError when the parent
+    lacks the weight or it, the residual and the manifest disagree on the shape."""
+    if w_prev is None or tuple(w_prev.shape) != tuple(rec.shape) or tuple(dw.shape) != tuple(rec.shape):
+        held = "no such weight" if w_prev is None else f"a weight of shape {list(w_prev.shape)}"
+        raise CorruptCheckpointError(f"record {name!r} is an ExCP residual of shape {list(dw.shape)} for a "
+                                     f"{list(rec.shape)} weight; its parent holds {held}")
+    return check(name, apply_residual(w_prev.to(dw.device), dw), rec)
 
 
 def adam_parameters(state: FlatState) -> dict[str, tuple[str, str]]:

@@ -31,7 +31,7 @@ import torch
 
 from ..codec import bitpack, frames
 from ..codec import stages as S
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, malformed
 from ..quant.excp import PARTS, Part
 from .excp_records import SpanWriter, cut
 
@@ -135,15 +135,11 @@ class StreamReader:
         self.bits = bits
         self.subs: dict[str, dict[int, np.ndarray]] = {}
         self.pos: dict[str, dict[int, int]] = {}
-        try:
+        with malformed("ExCP code streams meta"):
             for p, info in meta.items():
                 self.subs[p] = {int(c): _decode_sub(info, cut(blob, s[:2], f"{p} codes"), int(s[2]), bits)
                                 for c, s in info["subs"].items()}
                 self.pos[p] = {c: 0 for c in self.subs[p]}
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-            if isinstance(e, CorruptCheckpointError):
-                raise
-            raise CorruptCheckpointError(f"ExCP code streams meta is malformed ({e!r})") from None
 
     def _take(self, p: str, c: int, k: int) -> np.ndarray:
         sub = self.subs.get(p, {}).get(c)

@@ -13,15 +13,21 @@ import torch
 
 from ..codec import bytegroup
 from ..codec import stages as S
+from ..codec.frames import ZSTD_LEVELS
+from ..configcheck import check_fields
 from ..errors import CorruptCheckpointError
+from ..parallel import thread_map
 from ..state import FlatState, TensorRecord
-from ..tensorbytes import BITS_DTYPE, tensor_from_bytes, tensor_to_bytes
+from ..tensorbytes import BITS_DTYPE, tensor_from_bytes, to_numpy_bits
 from .base import DecodeContext, EncodeContext, Encoded, Method, Reference, register
 
 
 @dataclass(frozen=True)
 class LosslessConfig:
     zstd_level: int = 3  # levels above ~9 cost far more time for little gain on float planes
+
+    def __post_init__(self):
+        check_fields(self, zstd_level=ZSTD_LEVELS)
 
 
 @dataclass(frozen=True)
@@ -48,19 +54,21 @@ class LosslessMethod(Method):
         prev = reference.exact if reference is not None else None
         enc = Encoded(keyframe=prev is None)
         level = self.config.zstd_level
-        for name, rec in state.records.items():
+
+        def one(name: str):  # XOR, byte planes and zstd of one tensor (threads: none of it holds the GIL)
             t = state.tensors[name].detach().cpu().contiguous()
             p = prev.get(name) if prev is not None else None
-            pipeline = [S.LOSSLESS.descriptor]
-            if p is not None and p.dtype == t.dtype and p.shape == t.shape and t.numel():
-                t_bits = torch.bitwise_xor(_bits(t), _bits(p))
-                pipeline.append(S.XOR.descriptor)
-            else:
-                t_bits = t
-            data = bytegroup.compress(tensor_to_bytes(t_bits), t.element_size(),
-                                      float_bits=t.is_floating_point(), level=level)
-            enc.add(name, pipeline + [S.BYTEGROUP.descriptor], {}, data=data)
-        ref = {n: t.detach().cpu().clone() for n, t in state.tensors.items()}
+            xor = p is not None and p.dtype == t.dtype and p.shape == t.shape and t.numel() > 0
+            data = bytegroup.compress(to_numpy_bits(t), t.element_size(), float_bits=t.is_floating_point(),
+                                      level=level, prev=to_numpy_bits(p) if xor else None)
+            pipeline = [S.LOSSLESS.descriptor] + ([S.XOR.descriptor] if xor else []) + [S.BYTEGROUP.descriptor]
+            return pipeline, data, t.clone()
+
+        names = list(state.records)
+        ref = {}
+        for name, (pipeline, data, copy) in zip(names, thread_map(one, names)):
+            enc.add(name, pipeline, {}, data=data)
+            ref[name] = copy
         return enc, LosslessReference(ctx.step, ref)
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,

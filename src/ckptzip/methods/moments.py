@@ -45,10 +45,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..codec import stages as S
+from ..configcheck import OneOf, Range, check_fields
 from ..errors import ConfigError, CorruptCheckpointError
 from ..quant import dynaquant as dq
 from ..quant import moments as M
-from ..quant.base import MIN_NUMEL, QuantizedTensor
+from ..quant.base import MIN_NUMEL, MIN_NUMEL_RANGE, QuantizedTensor
 from ..state import FlatState, ParamView, TensorRecord
 from ..tensorbytes import torch_dtype
 from . import qrecord
@@ -70,9 +71,8 @@ class MomentConfig:
     min_numel: int = MIN_NUMEL       # codec "normalized": smaller moment tensors stay exact
 
     def __post_init__(self):
-        if self.codec not in MOMENT_CODECS:
-            raise ConfigError(f"MomentConfig.codec must be one of {MOMENT_CODECS}, got {self.codec!r}")
-        self.quantizer("exp_avg")  # validates bins, protect_fraction, alpha, min_numel
+        check_fields(self, codec=OneOf(MOMENT_CODECS), bins=Range(ge=1, le=65533),
+                     protect_fraction=Range(ge=0, lt=1), alpha=Range(gt=0, lt=1), min_numel=MIN_NUMEL_RANGE)
 
     def deltas(self, weights_delta: bool) -> bool:
         """Whether moment records are deltas against the previous save: grid's v levels in a method

@@ -34,6 +34,7 @@ import torch
 
 from ..codec import stages as S
 from ..codec.entropy import CODERS
+from ..configcheck import OneOf, check_fields
 from ..errors import ConfigError, CorruptCheckpointError
 from ..quant import dynaquant as dq
 from ..quant.base import QuantizedTensor
@@ -55,8 +56,7 @@ class CodesConfig:
     rle: bool = True          # fixed coders only; coder="huffman" with both is the paper's encoder
 
     def __post_init__(self):
-        if self.coder not in CODER_CHOICES:
-            raise ConfigError(f"CodesConfig.coder must be one of {CODER_CHOICES}, got {self.coder!r}")
+        check_fields(self, coder=OneOf(CODER_CHOICES))
 
 
 PAPER_BASELINE_CODES = CodesConfig("huffman", rearrange=False, rle=False)  # the baselines' own encoders
@@ -70,6 +70,9 @@ class QuantizingMethodConfig:
     moments: moments.MomentConfig = field(default_factory=moments.MomentConfig)
     codes: CodesConfig = field(default_factory=CodesConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
+
+    def __post_init__(self):
+        check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -138,12 +141,22 @@ class QuantizingMethod(Method):
 
     def choose_knobs(self, state: FlatState, reference, ctx: EncodeContext) -> tuple[dict, dict]:
         """This checkpoint's quantizer knob overrides and the search info for the manifest summary."""
+        if ctx.search is not None:  # chosen by the trainer's search thread (asyncsearch.py)
+            self.search_state = ctx.search.get("state", self.search_state)
+            return dict(ctx.search["knobs"]), dict(ctx.search["info"])
         if not (self.config.search.enabled and ctx.eval_fn is not None and ctx.model is not None):
             return {}, {"search": "off"}
         from ..search.strategies import search_config  # search/ imports methods lazily too
 
         knobs, info, self.search_state = search_config(self, state, reference, ctx, self.search_state)
         return knobs, info
+
+    def search_reference(self, state: FlatState, knobs: dict, gradients, step: int) -> "QuantizedReference":
+        """The weights' codes under ``knobs``: what the next search estimates deltas against when the
+        encoder runs in another process (async saves, asyncsearch.py)."""
+        qs = self.search_quantize(state, knobs, gradients) if self.delta_weights else {}
+        return QuantizedReference(step, {n: qrecord.Codes(qrecord.compact(q.codes, q.n_levels), q.n_levels)
+                                         for n, q in qs.items()})
 
     def resume(self, method_meta: dict) -> None:
         if self.search_state is None and isinstance(method_meta.get("search_state"), dict):

@@ -51,10 +51,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..configcheck import Range, check_fields
 from ..errors import ConfigError
 from ..tensorbytes import dtype_name, torch_dtype
-from .base import MIN_NUMEL, QuantizedTensor, apply_codebook, check_min_numel
-from .uniform import flat_float32, uniform_codebook, uniform_codes, uniform_scale, uniform_values
+from .base import MIN_NUMEL, MIN_NUMEL_RANGE, QuantizedTensor, apply_codebook, flat_float32
+from .uniform import uniform_codebook, uniform_codes, uniform_scale, uniform_values
 
 DESCRIPTOR = "adaptive-greedy/1"
 _MAX_LEVELS = 1 << 16
@@ -77,15 +78,8 @@ class AdaptiveConfig:
     min_numel: int = MIN_NUMEL  # methods keep smaller tensors exact
 
     def __post_init__(self):
-        check_min_numel(self)
-        if not isinstance(self.bins, int) or isinstance(self.bins, bool) or not 2 <= self.bins <= _MAX_LEVELS:
-            raise ConfigError(f"AdaptiveConfig.bins must be an int in [2, {_MAX_LEVELS}], got {self.bins!r}")
-        if not isinstance(self.step_bins, int) or isinstance(self.step_bins, bool) or self.step_bins < 1:
-            raise ConfigError(f"AdaptiveConfig.step_bins must be an int >= 1, got {self.step_bins!r}")
-        if not isinstance(self.range_ratio, (int, float)) or not 0.0 <= self.range_ratio < 1.0:
-            raise ConfigError(f"range_ratio must be a float in [0, 1), got {self.range_ratio!r}")
-        if not isinstance(self.row_wise, bool):
-            raise ConfigError(f"row_wise must be a bool, got {self.row_wise!r}")
+        check_fields(self, bins=Range(ge=2, le=_MAX_LEVELS), step_bins=Range(ge=1), range_ratio=Range(ge=0, lt=1),
+                     min_numel=MIN_NUMEL_RANGE)
 
     @property
     def n_steps(self) -> int:

@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ConfigError
+from ..configcheck import Range
+from ..errors import ConfigError, NonFiniteError
+from ..tensorbytes import FLOAT_DTYPES
 
 MIN_NUMEL = 1024  # every quantizer config's default ``min_numel``: smaller tensors are left exact
+MIN_NUMEL_RANGE = Range(ge=1, note=" (the methods store smaller tensors exact)")
 
 
 @dataclass
@@ -36,13 +39,22 @@ class QuantizedTensor:
         return int(self.codes.numel())
 
 
+def flat_float32(x: torch.Tensor, who: str) -> torch.Tensor:
+    """x detached, flattened to (n,) fp32 on its device; rejects non-float and non-finite input."""
+    if not isinstance(x, torch.Tensor):
+        raise ConfigError(f"{who}: expected a torch.Tensor, got {type(x).__name__}")
+    if str(x.dtype).removeprefix("torch.") not in FLOAT_DTYPES:
+        raise ConfigError(f"{who} quantizes float tensors only, got {x.dtype}; store integer tensors losslessly")
+    xf = x.detach().reshape(-1).to(torch.float32)
+    if not bool(torch.isfinite(xf).all()):
+        raise NonFiniteError(
+            f"tensor of shape {tuple(x.shape)} holds inf/NaN (or overflows fp32); {who} needs finite values "
+            f"(store it losslessly)"
+        )
+    return xf
+
+
 def apply_codebook(codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """codebook[codes] as float32 (plain-torch reference used by every dequantizer)."""
     return codebook.to(torch.float32)[codes.long()]
 
-
-def check_min_numel(config) -> None:
-    """Validate a quantizer config's ``min_numel`` (the methods store smaller tensors exact)."""
-    v = config.min_numel
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ConfigError(f"{type(config).__name__}.min_numel must be an int >= 1, got {v!r}")

@@ -54,13 +54,15 @@ import torch
 
 from ..codec import bitpack
 from ..codec import stages as S
-from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError
+from ..configcheck import Range, check_fields
+from ..errors import ConfigError, CorruptCheckpointError
 from ..tensorbytes import FLOAT_DTYPES, dtype_name, torch_dtype
-from .base import QuantizedTensor, apply_codebook
+from .base import QuantizedTensor, apply_codebook, flat_float32
 
 DESCRIPTOR = S.CLUSTER8.descriptor
 _LEVELS = 256  # uint8 grid per cluster
 _MAX_CLUSTERS = 16  # labels are stored as uint4
+N_CLUSTERS = Range(ge=1, le=_MAX_CLUSTERS, note=" (labels are uint4)")
 
 
 @dataclass(frozen=True)
@@ -68,10 +70,7 @@ class Cluster8Config:
     n_clusters: int = 16  # clusters at the fitted normal's quantiles; <= 16 so labels fit in 4 bits
 
     def __post_init__(self):
-        if not isinstance(self.n_clusters, int) or not 1 <= self.n_clusters <= _MAX_CLUSTERS:
-            raise ConfigError(
-                f"n_clusters must be an int in [1, {_MAX_CLUSTERS}] (labels are uint4), got {self.n_clusters!r}"
-            )
+        check_fields(self, n_clusters=N_CLUSTERS)
 
 
 # --------------------------------------------------------------------------- quantize / dequantize
@@ -85,7 +84,7 @@ def quantize(x: torch.Tensor, config: Cluster8Config = Cluster8Config()) -> Quan
     """Cluster-based uint8 quantization of a float tensor (computed in fp32 on x's device)."""
     if not isinstance(config, Cluster8Config):
         raise ConfigError(f"config must be a Cluster8Config, got {type(config).__name__}")
-    xf = _flat_float(x)  # (n,)
+    xf = flat_float32(x, "cluster8")  # (n,)
     K = config.n_clusters
     if xf.numel():
         xd = xf.double()
@@ -173,19 +172,6 @@ def unpack(blobs: dict[str, bytes], shape, dtype: str, device: torch.device | st
 
 
 # --------------------------------------------------------------------------- helpers
-def _flat_float(x: torch.Tensor) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise ConfigError(f"expected a torch.Tensor, got {type(x).__name__}")
-    if str(x.dtype).removeprefix("torch.") not in FLOAT_DTYPES:
-        raise ConfigError(f"cluster8 quantizes float tensors only, got {x.dtype}; store integer tensors losslessly")
-    xf = x.detach().reshape(-1).to(torch.float32)
-    if not bool(torch.isfinite(xf).all()):
-        raise NonFiniteError(
-            f"tensor of shape {tuple(x.shape)} holds inf/NaN; cluster8 needs finite values (store it losslessly)"
-        )
-    return xf
-
-
 def _minmax_uint8(xf: torch.Tensor, labels: torch.Tensor, K: int):
     """Per-cluster asymmetric uint8: returns (q int64 (n,), min (K,) fp32, scale (K,) fp32)."""
     inf = torch.full((K,), float("inf"), dtype=torch.float32, device=xf.device)

@@ -14,11 +14,24 @@ Every element of a quantizable tensor lands in one of three groups:
 Thresholds are quantiles of LogSketches MERGED PER LAYER TYPE (one pruning threshold for all
 linear weights, one for all conv weights, ...), as the paper prescribes: per tensor would let
 each layer keep a different share, global would cut one layer type's weights for another's
-distribution. Hence two phases::
+distribution. In a sharded save (ckptzip.dcp) every sketch passes through ``dist.shared_sketch``
+keyed by layer type or tensor name, so each shard gets the whole tensor's thresholds and codebook
+(dcp/merge.py runs the collectives). Hence two phases::
 
     plan = fit_layer_thresholds({name: (tensor, layer_type), ...}, DynaQuantConfig(), grads)
     q = quantize(x, name, plan)          # -> QuantizedTensor
     y = dequantize(q)                    # x's shape and dtype
+
+or, the same result for every tensor at once (quant/dqbatch.py: three kernel passes over one
+buffer of all the tensors, batched k-means; the per-tensor calls above are its plain-torch
+reference and give identical codes, codebooks and side values)::
+
+    plan, qs = quantize_tensors({name: (tensor, layer_type[, role]), ...}, DynaQuantConfig(), grads)
+
+Codes of a value in the quantized group: the nearest center in the config's domain, found by
+comparing x with the level boundaries mapped back to x's domain, f^-1((c_j + c_{j+1}) / 2) computed in
+float64 and rounded down to float32 (``level_bounds``), so "x > boundary" is exact and the same
+compare in every implementation; a value on a boundary takes the lower level.
 
 k-means centers are fitted PER TENSOR by default (``center_scope="tensor"``). The paper applies
 Alg. 1 to "the input data points" and notes it uses "the same number of bins across all layers"
@@ -62,22 +75,28 @@ happens to damp it).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..configcheck import OneOf, Range, check_fields
+from ..dist import shared_sketch, sharing
 from ..errors import ConfigError, NonFiniteError
-from ..kmeans import approx_kmeans_from_sketch, assign, bucket_weights, weighted_kmeans_1d
+from ..kmeans import INITS
 from ..sketch import LogSketch
 from ..tensorbytes import dtype_name, torch_dtype
-from .base import QuantizedTensor, apply_codebook
+from .base import MIN_NUMEL_RANGE, QuantizedTensor, apply_codebook
+from .adam import adam_denominator, adam_direction_error, denormalize_exp_avg, normalize_exp_avg  # noqa: F401
+from .levels import DOMAINS
+from .levels import from_domain as _from_domain
+from .levels import histogram_centers, level_bounds
+from .levels import to_domain as _to_domain
 
 DESCRIPTOR = "dynaquant/1"
 LAYER_TYPES = ("embedding", "linear", "conv", "norm", "bias", "other")
 QUANTIZABLE_LAYER_TYPES = frozenset({"embedding", "linear", "conv", "other"})
 QUANTIZABLE_ROLES = frozenset({"weight", "exp_avg", "exp_avg_sq", "momentum_buffer", "max_exp_avg_sq"})
-DOMAINS = ("identity", "sqrt", "log")
 # Default domain per role, chosen by the Adam-direction measurement in bench/table7.py.
 # exp_avg stays "identity" because it is meant to be quantized as normalize_exp_avg(m, v) (see above).
 DEFAULT_DOMAIN = {"exp_avg": "identity", "exp_avg_sq": "log", "max_exp_avg_sq": "log"}
@@ -98,37 +117,21 @@ class DynaQuantConfig:
     min_numel: int = 1024            # smaller tensors are kept exact (see module docstring)
     domain: str = "identity"         # "identity" | "sqrt" | "log": value space of the k-means
     center_scope: str = "tensor"     # "tensor": centers per tensor; "layer_type": one codebook per type
+    kmeans: str = "density"          # k-means seeding (kmeans.py): "density" (deterministic, batched);
+                                     # "kmeans++" (Algorithm 3 sampled, greedy, best of 3: 0.1's default)
     max_prune_ratio: float | None = 1.0  # a tensor loses at most this x prune_fraction of its elements;
                                          # None: the paper's plain per-layer-type threshold, which can wipe
                                          # out a small-magnitude layer (e.g. BERT's pooler) entirely
 
     def __post_init__(self):
-        for name in ("bins", "embedding_bins"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or not 1 <= v <= 65533:
-                raise ConfigError(f"DynaQuantConfig.{name} must be an int in [1, 65533], got {v!r}")
-        if not 0.0 <= self.prune_fraction < 1.0:
-            raise ConfigError(f"DynaQuantConfig.prune_fraction must be in [0, 1), got {self.prune_fraction}")
-        if not 0.0 <= self.protect_fraction < 1.0:
-            raise ConfigError(f"DynaQuantConfig.protect_fraction must be in [0, 1), got {self.protect_fraction}")
+        bins, frac = Range(ge=1, le=65533), Range(ge=0, lt=1)
+        check_fields(self, bins=bins, embedding_bins=bins, prune_fraction=frac, protect_fraction=frac,
+                     prune_metric=OneOf(("magnitude", "sensitivity")), alpha=Range(gt=0, lt=1),
+                     sigma=Range(ge=0, le=1), min_numel=MIN_NUMEL_RANGE, domain=OneOf(DOMAINS),
+                     center_scope=OneOf(("tensor", "layer_type")), kmeans=OneOf(INITS),
+                     max_prune_ratio=Range(ge=1, note=" or None"))
         if self.prune_fraction + self.protect_fraction >= 1.0:
             raise ConfigError("DynaQuantConfig: prune_fraction + protect_fraction must be < 1; lower one of them")
-        if self.prune_metric not in ("magnitude", "sensitivity"):
-            raise ConfigError(f"DynaQuantConfig.prune_metric must be 'magnitude' or 'sensitivity', "
-                              f"got {self.prune_metric!r}")
-        if not 0.0 < self.alpha < 1.0:
-            raise ConfigError(f"DynaQuantConfig.alpha must be in (0, 1), got {self.alpha}")
-        if not 0.0 <= self.sigma <= 1.0:
-            raise ConfigError(f"DynaQuantConfig.sigma must be in [0, 1], got {self.sigma}")
-        if not isinstance(self.min_numel, int) or self.min_numel < 1:
-            raise ConfigError(f"DynaQuantConfig.min_numel must be an int >= 1, got {self.min_numel!r}")
-        if self.domain not in DOMAINS:
-            raise ConfigError(f"DynaQuantConfig.domain must be one of {DOMAINS}, got {self.domain!r}")
-        if self.max_prune_ratio is not None and not self.max_prune_ratio >= 1.0:
-            raise ConfigError(f"DynaQuantConfig.max_prune_ratio must be >= 1 or None, got {self.max_prune_ratio}")
-        if self.center_scope not in ("tensor", "layer_type"):
-            raise ConfigError(f"DynaQuantConfig.center_scope must be 'tensor' or 'layer_type', "
-                              f"got {self.center_scope!r}")
 
     def bins_for(self, layer_type: str) -> int:
         return self.embedding_bins if layer_type == "embedding" else self.bins
@@ -148,25 +151,6 @@ def config_for_role(config: DynaQuantConfig, role: str) -> DynaQuantConfig:
 def is_quantizable(layer_type: str, role: str, numel: int, *, min_numel: int = 1024) -> bool:
     """Whether DynaQuant quantizes this tensor; the rest is kept exact by the caller."""
     return layer_type in QUANTIZABLE_LAYER_TYPES and role in QUANTIZABLE_ROLES and numel >= min_numel
-
-
-# ---------------------------------------------------------------------------------------------
-# value domains: k-means and assignment run on f(x); the codebook holds f^-1(centers)
-
-def _to_domain(x: torch.Tensor, domain: str) -> torch.Tensor:
-    if domain == "identity":
-        return x
-    if domain == "sqrt":
-        return x.sign() * x.abs().sqrt()
-    return x.log()  # "log": callers pass x > 0 only (zeros take the exact-zero level)
-
-
-def _from_domain(y: torch.Tensor, domain: str) -> torch.Tensor:
-    if domain == "identity":
-        return y
-    if domain == "sqrt":
-        return y.sign() * y * y
-    return y.exp()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +223,42 @@ def _check_domain(xf: torch.Tensor, name: str, domain: str) -> None:
 
 
 def _quantile(sk: LogSketch, q: float) -> float:
-    return float(torch.as_tensor(sk.quantile(q)).reshape(-1)[0])
+    return float(sk.quantile(q))
+
+
+def prune_cap_quantile(cfg: DynaQuantConfig) -> float | None:
+    """The quantile of a tensor's own prune metric that caps its prune threshold (None: no cap):
+    a tensor never loses more than max_prune_ratio x F_prun of its elements."""
+    if cfg.max_prune_ratio is None or cfg.prune_fraction <= 0:
+        return None
+    q = min(1.0, cfg.max_prune_ratio * cfg.prune_fraction)
+    return q if q < 1.0 else None
+
+
+def layer_type_plan(lt: str, numel: int, mag_sk: LogSketch, sens_sk: LogSketch | None,
+                    cfg: DynaQuantConfig) -> LayerTypePlan:
+    """Thresholds of one layer type from its merged |x| (and |x * g|; None: fallback) sketches."""
+    fallback = sens_sk is None
+    F = cfg.protect_fraction
+    tau_m = tau_s = None
+    if F > 0:
+        if fallback:
+            tau_m = _quantile(mag_sk, 1.0 - F)
+        else:
+            tau_m = _quantile(mag_sk, 1.0 - F / 2)
+            tau_s = _quantile(sens_sk, 1.0 - F / 2)
+    tau_p = None
+    if cfg.prune_fraction > 0 and lt != "embedding":
+        use_sens = cfg.prune_metric == "sensitivity" and not fallback
+        tau_p = _quantile(sens_sk if use_sens else mag_sk, cfg.prune_fraction)
+    return LayerTypePlan(lt, cfg.bins_for(lt), numel, tau_p, tau_m, tau_s, fallback)
+
+
+def _share_scope(role: str, lt: str, items) -> tuple:
+    """What a layer-type sketch covers when shards of the tensors live on several ranks
+    (dist.shared_sketch): weights merge per layer type over the whole state, other roles (fitted
+    per tensor) over the tensors of this call."""
+    return ("type", "weight", lt) if role == "weight" else ("tensors", role, *sorted(n for n, _ in items))
 
 
 def fit_layer_thresholds(tensors: Mapping[str, tuple], config: DynaQuantConfig = DynaQuantConfig(),
@@ -250,10 +269,23 @@ def fit_layer_thresholds(tensors: Mapping[str, tuple], config: DynaQuantConfig =
     "weight"; call once per role, since weights and moments have unrelated distributions).
     grads: name -> g_ema (GradientRecorder.gradients()); a layer type with any tensor lacking a
     gradient falls back to magnitude for sensitivity (``sensitivity_fallback``; its protection is
-    then the top F_prot by magnitude, so the protected share is kept).
+    then the top F_prot by magnitude, so the protected share is kept). On CPU the sketches come
+    from the batched kernels (quant/dqbatch.py); ``fit_layer_thresholds_reference`` is the same
+    plan in plain torch.
     """
+    from .dqbatch import Sketched, fast_path
+
+    if fast_path(_unpack(s)[0] for s in tensors.values()):
+        return Sketched(tensors, config, grads).plan(config)
+    return fit_layer_thresholds_reference(tensors, config, grads)
+
+
+def fit_layer_thresholds_reference(tensors: Mapping[str, tuple], config: DynaQuantConfig = DynaQuantConfig(),
+                                   grads: Mapping[str, torch.Tensor] | None = None) -> DynaQuantPlan:
+    """``fit_layer_thresholds`` in plain torch, one LogSketch per tensor (any device)."""
     cfg = config
     groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    roles: dict[str, str] = {}
     skipped = []
     for name, spec in tensors.items():
         t, lt, role = _unpack(spec)
@@ -261,44 +293,34 @@ def fit_layer_thresholds(tensors: Mapping[str, tuple], config: DynaQuantConfig =
             skipped.append(name)
             continue
         groups.setdefault(lt, []).append((name, t))
+        roles.setdefault(lt, role)
 
     plans: dict[str, LayerTypePlan] = {}
-    # per-tensor cap: a tensor never loses more than max_prune_ratio * F_prun of its elements
-    cap_q = None
-    if cfg.max_prune_ratio is not None and cfg.prune_fraction > 0:
-        cap_q = min(1.0, cfg.max_prune_ratio * cfg.prune_fraction)
+    cap_q = prune_cap_quantile(cfg)
     tensor_prune: dict[str, float] = {}
     for lt, items in groups.items():
         fallback = grads is None or any(n not in grads for n, _ in items)
         mag_sk = LogSketch(alpha=cfg.alpha)
         sens_sk = None if fallback else LogSketch(alpha=cfg.alpha)
-        numel = 0
         for name, t in items:
             xf = _flat_f32(t, name)
             _check_domain(xf, name, cfg.domain)
-            numel += xf.numel()
             t_mag = LogSketch(alpha=cfg.alpha).add(xf.abs(), name=name)  # per tensor, merged per type
             mag_sk.merge(t_mag)
             t_sens = None
             if sens_sk is not None:
                 t_sens = LogSketch(alpha=cfg.alpha).add((xf * _grad_for(name, xf, grads)).abs(), name=name)
                 sens_sk.merge(t_sens)
-            if cap_q is not None and cap_q < 1.0 and lt != "embedding":
+            if cap_q is not None and lt != "embedding":
                 use_sens = cfg.prune_metric == "sensitivity" and t_sens is not None
-                tensor_prune[name] = _quantile(t_sens if use_sens else t_mag, cap_q)
-        F = cfg.protect_fraction
-        tau_m = tau_s = None
-        if F > 0:
-            if fallback:
-                tau_m = _quantile(mag_sk, 1.0 - F)
-            else:
-                tau_m = _quantile(mag_sk, 1.0 - F / 2)
-                tau_s = _quantile(sens_sk, 1.0 - F / 2)
-        tau_p = None
-        if cfg.prune_fraction > 0 and lt != "embedding":
-            use_sens = cfg.prune_metric == "sensitivity" and not fallback
-            tau_p = _quantile(sens_sk if use_sens else mag_sk, cfg.prune_fraction)
-        plans[lt] = LayerTypePlan(lt, cfg.bins_for(lt), numel, tau_p, tau_m, tau_s, fallback)
+                sk = t_sens if use_sens else t_mag
+                sk = shared_sketch(("sensitivity" if use_sens else "magnitude", "tensor", name), sk)
+                tensor_prune[name] = _quantile(sk, cap_q)
+        scope = _share_scope(roles[lt], lt, items)
+        mag_sk = shared_sketch(("magnitude", *scope), mag_sk)
+        if sens_sk is not None:
+            sens_sk = shared_sketch(("sensitivity", *scope), sens_sk)
+        plans[lt] = layer_type_plan(lt, mag_sk.count, mag_sk, sens_sk, cfg)
 
     plan = DynaQuantPlan(cfg, plans, {n: lt for lt, items in groups.items() for n, _ in items},
                          tuple(skipped), grads, tensor_prune)
@@ -311,6 +333,7 @@ def fit_layer_thresholds(tensors: Mapping[str, tuple], config: DynaQuantConfig =
                 part = _partition(xf, name, plan)
                 vals = xf[part == 1]
                 sk.add(vals, name=name)
+            sk = shared_sketch(("values", *_share_scope(roles[lt], lt, items)), sk)
             centers = torch.empty(0) if sk.count == 0 else _sketch_centers(sk, plans[lt].bins, cfg)
             plans[lt] = replace(plans[lt], centers=torch.as_tensor(centers, dtype=torch.float32).reshape(-1))
         plan = replace(plan, layer_types=plans)
@@ -347,31 +370,47 @@ def _sketch_centers(sk: LogSketch, k: int, cfg: DynaQuantConfig) -> torch.Tensor
     keep the alpha-relative bound), its bucket representatives are mapped by f and clustered there.
     Mapping buckets rather than sketching f(x) keeps log-domain resolution at log(gamma) ~ 2 alpha;
     a sketch of log v would have relative error alpha on |log v| (~0.2 for v ~ 1e-9)."""
-    if cfg.domain == "identity":
-        return approx_kmeans_from_sketch(sk, k, sigma=cfg.sigma, seed=cfg.seed).reshape(-1)
-    centers, counts = sk.histogram()
-    pts = _to_domain(centers.cpu(), cfg.domain)
-    keep = torch.isfinite(pts)  # log: the zero bucket (|x| <= 1e-30) maps to -inf; assign() sends it down
-    pts, counts = pts[keep], counts.cpu()[keep]
-    if pts.numel() <= k:
-        return pts.to(torch.float32)
-    w = bucket_weights(pts, counts, cfg.sigma)
-    return weighted_kmeans_1d(pts, w, k, seed=cfg.seed).to(torch.float32)
+    return histogram_centers(sk._ord, sk._counts, torch.tensor([0, sk._ord.numel()]), k, cfg)[0]
 
 
-def _fit_centers(vals: torch.Tensor, k: int, cfg: DynaQuantConfig) -> torch.Tensor:
+def _fit_centers(vals: torch.Tensor, k: int, cfg: DynaQuantConfig, name: str | None = None) -> torch.Tensor:
     """(m <= k,) sorted centers in the config's domain for one tensor's quantized values."""
-    if vals.numel() <= k:  # no more values than bins: every value is its own center, exactly
+    if vals.numel() <= k and not sharing():  # no more values than bins: every value its own center
         return _to_domain(torch.unique(vals), cfg.domain).to(torch.float32)
     sk = LogSketch(alpha=cfg.alpha).add(vals)
+    if name is not None:  # a shard's values: the codebook comes from every shard of the tensor
+        sk = shared_sketch(("values", "tensor", name), sk)
+    if sk.count == 0:
+        return torch.empty(0, dtype=torch.float32, device=vals.device)
     return _sketch_centers(sk, k, cfg).to(vals.device)
 
 
 def quantize(x: torch.Tensor, name: str, plan: DynaQuantPlan) -> QuantizedTensor:
-    """Quantize one tensor that ``plan`` was fitted on (see module docstring for the levels)."""
+    """Quantize one tensor that ``plan`` was fitted on (see module docstring for the levels).
+    Codes are int64. On CPU the kernels of quant/dqbatch.py run; ``quantize_reference`` is the
+    same result in plain torch (any device)."""
+    from .dqbatch import Sketched, fast_path
+
+    _check_planned(name, plan)
+    if not fast_path([x]):
+        return quantize_reference(x, name, plan)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"{name}: DynaQuant quantizes float tensors, got {getattr(x, 'dtype', type(x))}")
+    grads = {name: plan.grads[name]} if plan.grads is not None and name in plan.grads else None
+    q = Sketched({name: (x, plan.tensors[name])}, plan.config, grads, quantizable=True).quantize(plan)[name]
+    q.codes = q.codes.long()
+    return q
+
+
+def _check_planned(name: str, plan: DynaQuantPlan) -> None:
     if name not in plan.tensors:
         why = "is kept exact (not quantizable)" if name in plan.skipped else "was not in fit_layer_thresholds"
         raise ConfigError(f"{name}: {why}; store it losslessly or refit the plan with it")
+
+
+def quantize_reference(x: torch.Tensor, name: str, plan: DynaQuantPlan) -> QuantizedTensor:
+    """``quantize`` in plain torch, one tensor at a time (the reference of the batched kernels)."""
+    _check_planned(name, plan)
     cfg = plan.config
     lt = plan.tensors[name]
     ltp = plan.layer_types[lt]
@@ -380,17 +419,16 @@ def quantize(x: torch.Tensor, name: str, plan: DynaQuantPlan) -> QuantizedTensor
     part = _partition(xf, name, plan)
     qmask = part == 1
     vals = xf[qmask]
-    vals_f = _to_domain(vals, cfg.domain)
     if ltp.centers is not None:
         centers_f = ltp.centers.to(xf.device)
     else:
-        centers_f = _fit_centers(vals, ltp.bins, cfg)
+        centers_f = _fit_centers(vals, ltp.bins, cfg, name)
     k = int(centers_f.numel())
     codes = torch.zeros(xf.numel(), dtype=torch.int64, device=xf.device)
-    if vals_f.numel():
+    if vals.numel():
         if k == 0:
             raise ConfigError(f"{name}: the layer-type codebook is empty but the tensor has values to quantize")
-        codes[qmask] = torch.as_tensor(assign(vals_f, centers_f), device=xf.device).long() + 1
+        codes[qmask] = torch.searchsorted(level_bounds(centers_f, cfg.domain).to(xf.device), vals) + 1
     pmask = part == 2
     codes[pmask] = k + 1
     centers = _from_domain(centers_f.to(torch.float64), cfg.domain).to(torch.float32)
@@ -402,6 +440,16 @@ def quantize(x: torch.Tensor, name: str, plan: DynaQuantPlan) -> QuantizedTensor
     return QuantizedTensor(codes=codes, n_levels=k + 2, codebook=codebook, shape=tuple(x.shape),
                            dtype=dtype_name(x.dtype), side={"protected": xf[pmask].to(torch.bfloat16)},
                            meta=meta)
+
+
+def quantize_tensors(tensors: Mapping[str, tuple], config: DynaQuantConfig = DynaQuantConfig(),
+                     grads: Mapping[str, torch.Tensor] | None = None, *, threads: int | None = None):
+    """``fit_layer_thresholds`` + ``quantize`` of every quantizable tensor in one batched pass:
+    (plan, {name: QuantizedTensor}) with the same codes (narrow dtype), codebooks and side values
+    as the per-tensor calls. See quant/dqbatch.py."""
+    from .dqbatch import quantize_tensors as batched
+
+    return batched(tensors, config, grads, threads=threads)
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
@@ -416,68 +464,3 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
                              f"{0 if prot is None else prot.numel()} protected values")
         out[pmask] = prot.to(out.device, torch.float32)
     return out.reshape(q.shape).to(torch_dtype(q.dtype))
-
-
-# ---------------------------------------------------------------------------------------------
-# optimizer-state quality: relative error of the Adam update direction
-
-def _cat(x) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x.detach().reshape(-1).to(torch.float64)
-    if isinstance(x, Mapping):
-        x = [x[k] for k in sorted(x)]
-    if isinstance(x, Sequence) and x:
-        return torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in x])
-    raise TypeError(f"expected a tensor, a list or a dict of tensors, got {type(x).__name__}")
-
-
-def adam_direction_error(m, v, m_q, v_q, step, betas: tuple[float, float] = (0.9, 0.999),
-                         eps: float = 1e-8) -> float:
-    """||d_q - d|| / ||d|| with d = m_hat / (sqrt(v_hat) + eps), Adam's bias-corrected update.
-
-    m, v, m_q, v_q: tensors or matching lists/dicts of tensors (concatenated); step: Adam's step
-    count (int or the optimizer state's step tensor). Negative v_q (never produced here) is
-    clamped to 0 so a bad codec shows up as a large error rather than NaN.
-    """
-    m, v, m_q, v_q = _cat(m), _cat(v), _cat(m_q), _cat(v_q)
-    if not (m.numel() == v.numel() == m_q.numel() == v_q.numel()):
-        raise ValueError("adam_direction_error: m, v, m_q, v_q must have the same number of elements")
-    t = float(step)
-    if t < 1:
-        raise ValueError(f"adam_direction_error: step must be >= 1, got {t}")
-    b1, b2 = betas
-    bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
-    d = (m / bc1) / ((v / bc2).sqrt() + eps)
-    d_q = (m_q / bc1) / ((v_q.clamp_min(0) / bc2).sqrt() + eps)
-    den = float(torch.linalg.vector_norm(d))
-    num = float(torch.linalg.vector_norm(d_q - d))
-    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
-
-
-def adam_denominator(v: torch.Tensor, step, betas: tuple[float, float] = (0.9, 0.999),
-                     eps: float = 1e-8) -> torch.Tensor:
-    """sqrt(v / (1 - beta2^step)) + eps in float32: Adam's per-element update denominator."""
-    t = float(step)
-    if t < 1:
-        raise ValueError(f"adam_denominator: step must be >= 1, got {t}")
-    return (v.detach().to(torch.float32).clamp_min(0) / (1.0 - betas[1] ** t)).sqrt_().add_(eps)
-
-
-def normalize_exp_avg(m: torch.Tensor, v: torch.Tensor, step, betas: tuple[float, float] = (0.9, 0.999),
-                      eps: float = 1e-8) -> torch.Tensor:
-    """u = m / adam_denominator(v): the exp_avg to quantize instead of m (v: the exact exp_avg_sq).
-
-    The decoder rebuilds m_q = u_q * adam_denominator(v_q) from the *dequantized* v_q
-    (denormalize_exp_avg), so the restored direction m_q_hat / (sqrt(v_q_hat) + eps) is exactly
-    u_q / (1 - beta1^t): only u's quantization error reaches it, v's relative error is absorbed
-    into m_q (and decays with beta1 within ~10 steps, while v's own error decays with beta2).
-    """
-    if m.shape != v.shape:
-        raise ValueError(f"normalize_exp_avg: m has shape {tuple(m.shape)}, v {tuple(v.shape)}")
-    return m.detach().to(torch.float32) / adam_denominator(v.to(m.device), step, betas, eps)
-
-
-def denormalize_exp_avg(u_q: torch.Tensor, v_q: torch.Tensor, step, betas: tuple[float, float] = (0.9, 0.999),
-                        eps: float = 1e-8, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """m_q = u_q * adam_denominator(v_q), in ``dtype``: decode v first, then this."""
-    return (u_q.to(torch.float32) * adam_denominator(v_q.to(u_q.device), step, betas, eps)).to(dtype)

@@ -61,7 +61,8 @@ import torch
 
 from ..codec import bitpack
 from ..codec import stages as S
-from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError
+from ..configcheck import OneOf, Range, check_fields
+from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError, UnsupportedStateError, malformed
 from ..tensorbytes import dtype_name, tensor_from_bytes, tensor_to_bytes, torch_dtype
 from .base import QuantizedTensor, apply_codebook
 
@@ -69,6 +70,9 @@ FORMAT = S.EXCP_TENSOR.descriptor        # written into every tensor's meta: cod
 FORMAT_V1 = S.EXCP_TENSOR_V1.descriptor  # ckptzip 0.1: codes packed MSB first (read only)
 PARTS = ("dw", "m", "v")     # residual, exp_avg, exp_avg_sq
 _CODEBOOK_DTYPES = ("float16", "float32")
+RULES = dict(alpha=Range(gt=0, lt=math.inf, note=" (paper: 5e-5)"), beta=Range(ge=0, lt=math.inf, note=" (paper: 2.0)"),
+             bits=OneOf(bitpack.WIDTHS, " (paper: 4)"), codebook_dtype=OneOf(_CODEBOOK_DTYPES), seed=Range(ge=0),
+             kmeans_max_iter=Range(ge=1))  # ExcpConfig's fields, shared by methods/excp_fixed.ExcpFixedConfig
 
 
 @dataclass(frozen=True)
@@ -81,20 +85,7 @@ class ExcpConfig:
     kmeans_max_iter: int = 50        # Lloyd iteration cap (stops earlier once assignments settle)
 
     def __post_init__(self):
-        if not (math.isfinite(self.alpha) and self.alpha > 0):
-            raise ConfigError(f"ExcpConfig.alpha must be a finite number > 0 (paper: 5e-5), got {self.alpha}")
-        if not (math.isfinite(self.beta) and self.beta >= 0):
-            raise ConfigError(f"ExcpConfig.beta must be a finite number >= 0 (paper: 2.0), got {self.beta}")
-        if self.bits not in bitpack.WIDTHS:
-            raise ConfigError(f"ExcpConfig.bits must be one of {bitpack.WIDTHS} (paper: 4), got {self.bits}")
-        if self.codebook_dtype not in _CODEBOOK_DTYPES:
-            raise ConfigError(
-                f"ExcpConfig.codebook_dtype must be one of {_CODEBOOK_DTYPES}, got {self.codebook_dtype!r}"
-            )
-        if not (isinstance(self.seed, int) and self.seed >= 0):
-            raise ConfigError(f"ExcpConfig.seed must be an int >= 0, got {self.seed!r}")
-        if not (isinstance(self.kmeans_max_iter, int) and self.kmeans_max_iter >= 1):
-            raise ConfigError(f"ExcpConfig.kmeans_max_iter must be an int >= 1, got {self.kmeans_max_iter!r}")
+        check_fields(self, **RULES)
 
 
 EXCP_FAITHFUL = ExcpConfig()  # the authors' recipe, fp16 codebooks included
@@ -150,7 +141,8 @@ def prune(dw: torch.Tensor, m: torch.Tensor, v: torch.Tensor, config: ExcpConfig
     dw32, m32, v32 = dw.to(torch.float32), m.to(torch.float32), v.to(torch.float32)
     mean_v = float(v32.mean()) if v32.numel() else 0.0
     if mean_v < 0:
-        raise ValueError(f"exp_avg_sq has a negative mean ({mean_v}); pass the optimizer's second moment")
+        raise UnsupportedStateError(f"exp_avg_sq has a negative mean ({mean_v}): not an Adam second moment; "
+                                    "store this state with another method (e.g. lossless)")
     # mean(v) == 0 -> alpha / 0 = inf -> the 2.5 cap, as min(2.5, inf) gives in the authors' code
     f = 2.5 if mean_v == 0 else min(2.5, config.alpha / math.sqrt(mean_v))
     abs_dw = dw32.abs()
@@ -335,7 +327,7 @@ def encode_parts(dw: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
 
 def read_meta(meta: dict, formats: tuple[str, ...] = (FORMAT, FORMAT_V1)) -> tuple[tuple[int, ...], int, str]:
     """(shape, bits, codebook dtype) of a tensor meta, validated; CorruptCheckpointError if malformed."""
-    try:
+    with malformed("ExCP record meta"):
         if meta["format"] not in formats:
             raise CorruptCheckpointError(f"ExCP record has format {meta['format']!r}, this reader knows "
                                          f"{', '.join(formats)}")
@@ -343,10 +335,6 @@ def read_meta(meta: dict, formats: tuple[str, ...] = (FORMAT, FORMAT_V1)) -> tup
         modes = {meta["parts"][p]["mode"] for p in meta["parts"]}
         for p in ("m", "v"):
             torch_dtype(meta["dtypes"][p])
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        if isinstance(e, CorruptCheckpointError):
-            raise
-        raise CorruptCheckpointError(f"ExCP record meta is malformed ({e!r})") from None
     if bits not in bitpack.WIDTHS or cb_dtype not in _CODEBOOK_DTYPES or any(s < 0 for s in shape):
         raise CorruptCheckpointError(f"ExCP record meta has bits={bits}, codebook_dtype={cb_dtype!r}, shape={shape}")
     if not modes <= {"kmeans", "dense"}:

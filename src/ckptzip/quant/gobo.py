@@ -45,10 +45,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
+from ..configcheck import OneOf, Range, check_fields
+from ..errors import ConfigError, CorruptCheckpointError
 from ..tensorbytes import dtype_name, torch_dtype
-from .base import MIN_NUMEL, QuantizedTensor, check_min_numel
-from .uniform import flat_float32
+from .base import MIN_NUMEL, MIN_NUMEL_RANGE, QuantizedTensor, flat_float32
 
 DESCRIPTOR = "gobo-kmedians/1"
 _MAX_LEVELS = 1 << 16
@@ -74,19 +74,11 @@ class GoboConfig:
     min_numel: int = MIN_NUMEL      # methods keep smaller tensors exact
 
     def __post_init__(self):
-        check_min_numel(self)
-        for name in ("bins", "embedding_bins"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v < _MAX_LEVELS:
-                raise ConfigError(f"{name} must be an int in [1, {_MAX_LEVELS - 1}], got {v!r}")
-        if not isinstance(self.outlier_log_prob, (int, float)) or not math.isfinite(self.outlier_log_prob):
-            raise ConfigError(f"outlier_log_prob must be a finite float (GOBO uses -4), got {self.outlier_log_prob!r}")
-        if not isinstance(self.max_iter, int) or isinstance(self.max_iter, bool) or self.max_iter < 0:
-            raise ConfigError(f"max_iter must be an int >= 0, got {self.max_iter!r}")
-        if not isinstance(self.rel_tol, (int, float)) or not 0.0 <= self.rel_tol < 1.0:
-            raise ConfigError(f"rel_tol must be a float in [0, 1) (0 runs to convergence), got {self.rel_tol!r}")
-        if self.init not in _INITS:
-            raise ConfigError(f"init must be one of {_INITS}, got {self.init!r}")
+        bins = Range(ge=1, le=_MAX_LEVELS - 1)
+        check_fields(self, bins=bins, embedding_bins=bins, min_numel=MIN_NUMEL_RANGE,
+                     outlier_log_prob=Range(gt=-math.inf, lt=math.inf, note=" (GOBO uses -4)"),
+                     max_iter=Range(ge=0), rel_tol=Range(ge=0, lt=1, note=" (0 runs to convergence)"),
+                     init=OneOf(_INITS))
 
 
 # --------------------------------------------------------------------------- quantize / dequantize
@@ -123,7 +115,7 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
     out = q.side["outliers"]
     mask = q.codes == k
     if int(mask.sum()) != out.numel():
-        raise ValueError(f"gobo: {int(mask.sum())} outlier codes but {out.numel()} stored outliers")
+        raise CorruptCheckpointError(f"gobo: {int(mask.sum())} outlier codes but {out.numel()} stored outliers")
     y[mask] = out.to(work)
     return y.reshape(q.shape).to(torch_dtype(q.dtype))
 

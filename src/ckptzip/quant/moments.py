@@ -40,9 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..configcheck import OneOf, Range, check_fields
 from ..errors import ConfigError, NonFiniteError
 from ..tensorbytes import dtype_name, torch_dtype
-from .base import QuantizedTensor
+from .base import MIN_NUMEL_RANGE, QuantizedTensor
 
 # Positive reconstruction levels in units of the group scale: 1 bit, +-1 times the mean |u| (the
 # L2-optimal scale of a sign); 2 and 3 bits, the Lloyd-Max levels of a unit Gaussian (z = u / RMS).
@@ -245,19 +246,10 @@ class GridCodec:
     min_numel: int = 128      # smaller moment tensors stay exact (a record's own bytes outweigh theirs)
 
     def __post_init__(self):
-        if not self.v_step > 0:
-            raise ConfigError(f"GridCodec.v_step must be > 0, got {self.v_step}")
-        if self.m_bits not in (0, *_LEVELS):
-            raise ConfigError(f"GridCodec.m_bits must be 0 or one of {sorted(_LEVELS)}, got {self.m_bits}")
-        if self.normalize not in NORMALIZE:
-            raise ConfigError(f"GridCodec.normalize must be one of {NORMALIZE}, got {self.normalize!r}")
-        if self.m_bits:
-            levels_table(self.m_bits, self.prune)
-        levels_table(self.sgd_bits, 0.0)
-        if not isinstance(self.min_numel, int) or self.min_numel < 1:
-            raise ConfigError(f"GridCodec.min_numel must be an int >= 1, got {self.min_numel!r}")
-        if not isinstance(self.group, int) or self.group < 1:
-            raise ConfigError(f"GridCodec.group must be an int >= 1, got {self.group!r}")
+        bits = OneOf(tuple(_LEVELS))
+        check_fields(self, v_step=Range(gt=0, note=" (log2 units of D per level)"), m_bits=OneOf((0, *_LEVELS)),
+                     group=Range(ge=1), prune=Range(ge=0, lt=1), normalize=OneOf(NORMALIZE), sgd_bits=bits,
+                     min_numel=MIN_NUMEL_RANGE)
 
 
 def encode_pair(m: torch.Tensor, v: torch.Tensor, hp: AdamHP, codec: GridCodec

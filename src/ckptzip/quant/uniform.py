@@ -41,9 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError, NonFiniteError
-from ..tensorbytes import FLOAT_DTYPES, dtype_name, torch_dtype
-from .base import MIN_NUMEL, QuantizedTensor, apply_codebook, check_min_numel
+from ..configcheck import Range, check_fields
+from ..errors import ConfigError
+from ..tensorbytes import dtype_name, torch_dtype
+from .base import MIN_NUMEL, MIN_NUMEL_RANGE, QuantizedTensor, apply_codebook, flat_float32
 
 DESCRIPTOR = "uniform-entropy/1"
 _MAX_LEVELS = 1 << 16  # codes stay cheap to histogram and delta-code
@@ -62,15 +63,11 @@ class UniformConfig:
     min_numel: int = MIN_NUMEL  # methods keep smaller tensors exact
 
     def __post_init__(self):
-        check_min_numel(self)
-        for name in ("min_bins", "max_bins"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 2 <= v <= _MAX_LEVELS:
-                raise ConfigError(f"{name} must be an int in [2, {_MAX_LEVELS}], got {v!r}")
+        bins = Range(ge=2, le=_MAX_LEVELS)
+        check_fields(self, min_bins=bins, max_bins=bins, min_numel=MIN_NUMEL_RANGE)
         if self.min_bins > self.max_bins:
-            raise ConfigError(
-                f"min_bins ({self.min_bins}) must be <= max_bins ({self.max_bins}); skip this pair in the search"
-            )
+            raise ConfigError(f"UniformConfig.min_bins ({self.min_bins}) must be <= max_bins ({self.max_bins}); "
+                              "skip this pair in the search")
 
 
 # --------------------------------------------------------------------------- quantize / dequantize
@@ -146,18 +143,3 @@ def uniform_codebook(lo: torch.Tensor, scale: torch.Tensor, n_levels: int) -> to
     """(n_levels,) fp32 codebook[k] = k * scale + lo (same op order as uniform_values)."""
     k = torch.arange(n_levels, dtype=torch.int64, device=lo.device)
     return uniform_values(k, lo, scale)
-
-
-def flat_float32(x: torch.Tensor, who: str) -> torch.Tensor:
-    """x detached, flattened to (n,) fp32 on its device; rejects non-float and non-finite input."""
-    if not isinstance(x, torch.Tensor):
-        raise ConfigError(f"{who}: expected a torch.Tensor, got {type(x).__name__}")
-    if str(x.dtype).removeprefix("torch.") not in FLOAT_DTYPES:
-        raise ConfigError(f"{who} quantizes float tensors only, got {x.dtype}; store integer tensors losslessly")
-    xf = x.detach().reshape(-1).to(torch.float32)
-    if not bool(torch.isfinite(xf).all()):
-        raise NonFiniteError(
-            f"tensor of shape {tuple(x.shape)} holds inf/NaN (or overflows fp32); {who} needs finite values "
-            f"(store it losslessly)"
-        )
-    return xf

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..configcheck import OneOf, Range, check_fields
 
 SEARCH_POLICIES = ("monotone", "free")
 
@@ -22,12 +22,4 @@ class SearchConfig:
     space: dict | None = None        # fields of the method's space class; None: the paper's table
 
     def __post_init__(self):
-        if not isinstance(self.enabled, bool):
-            raise ConfigError(f"SearchConfig.enabled must be True or False, got {self.enabled!r}")
-        if self.policy not in SEARCH_POLICIES:
-            raise ConfigError(f"SearchConfig.policy must be one of {SEARCH_POLICIES}, got {self.policy!r}")
-        if isinstance(self.neighbourhood, bool) or not isinstance(self.neighbourhood, int) or self.neighbourhood < 0:
-            raise ConfigError(f"SearchConfig.neighbourhood must be an int >= 0, got {self.neighbourhood!r}")
-        if self.space is not None and not isinstance(self.space, dict):
-            raise ConfigError(f"SearchConfig.space must be a dict of the space's fields or None, "
-                              f"got {type(self.space).__name__}")
+        check_fields(self, policy=OneOf(SEARCH_POLICIES), neighbourhood=Range(ge=0))

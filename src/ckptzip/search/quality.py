@@ -40,8 +40,9 @@ import copy
 import inspect
 import math
 import random
+import threading
 from collections.abc import Callable, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -195,7 +196,9 @@ class QualityJudge:
     def _run(self, replacements: Mapping[str, torch.Tensor]):
         self._scratch.load_state_dict(self.state_dict(replacements))
         try:
-            with preserved_rng():
+            # off the main thread (async saves' search thread) the global RNG belongs to the training
+            # loop: restoring it would rewind the loop's stream, so it is left alone (asyncsearch.py)
+            with preserved_rng() if threading.current_thread() is threading.main_thread() else nullcontext():
                 out = self.eval_fn(self._scratch)
         finally:
             for m, training in self._modes:

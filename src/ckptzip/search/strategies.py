@@ -7,21 +7,29 @@ Per checkpoint (Inshrinkerator section 5), with a user ``eval_fn`` and ``thresho
   frontier; of all feasible configs it evaluated, the one with the highest *estimated* compression
   ratio wins. Sensitivity without gradient EMAs is the same as magnitude, so it is skipped when
   ``ctx.gradients`` is None.
-- **neighbourhood** (steady state): with a group knob, first the previous best under both group
-  values; switch when the other one's degradation is lower by more than ``METRIC_SWITCH_MARGIN`` x
-  threshold. Then the points within ``search.neighbourhood`` cube steps of the previous best (minus
-  the more aggressive ones under ``search.policy="monotone"``), ordered by estimated ratio, are
-  evaluated until the first feasible one.
-- **fallback**: nothing in the neighbourhood is feasible -> the exhaustive search again. If no
-  config at all passes, the least aggressive one (the cube's top corner, best group) is chosen
-  and the info says ``infeasible: True``.
+- **neighbourhood** (steady state): with a group knob, every ``METRIC_CHECK_EVERY``-th steady
+  checkpoint first evaluates the previous best under both group values and switches when the other
+  one's degradation is lower by more than ``METRIC_SWITCH_MARGIN`` x threshold (the paper checks at
+  every save; a switch is rare and each check costs an evaluation). Then the points within
+  ``search.neighbourhood`` cube steps of the previous best (minus the more aggressive ones under
+  ``search.policy="monotone"``), ordered by estimated ratio, are evaluated until the first
+  feasible one: one evaluation while the previous best stays feasible.
+- **fallback**: nothing in the neighbourhood is feasible -> the exhaustive search again; under the
+  monotone policy only over the box between the previous best and the top corner (the paper
+  re-searches the whole cube; a config more aggressive than one that just failed is not what the
+  monotone rule would pick). If no config at all passes, the least aggressive one (the cube's top
+  corner, best group) is chosen and the info says ``infeasible: True``.
 
 The paper extends this search to its baselines (section 8.2, Tables 10-12), each with its own
 space: DynaQuant, QD, CNR and GOBO all run through this module. What a method must provide
 (methods/quantizing.py, ``QuantizingMethod``): ``space()`` (search/spaces.py),
 ``search_records(state)`` (the weights the search judges), ``search_quantize(state, knobs,
 gradients)`` -> {name: QuantizedTensor}, ``search_dequantize(q)``, and ``search_coding``: how its
-encoder codes the codes, for the ratio estimate.
+encoder codes the codes, for the ratio estimate. Optionally ``search_prepare(state, reference,
+gradients)`` -> an object with ``quantize(knobs)`` and ``estimate(knobs) -> (est_bits,
+raw_bits)`` (or None): the work shared by every candidate of one checkpoint, done once (DynaQuant's
+quant/dqsearch.py sketches each weight once and estimates candidates from the histograms without
+quantizing; without it each estimate quantizes).
 
 Ratio estimate (for ordering and for picking among feasible configs): per quantized weight,
 ``search_coding`` = "conditional": the order-0 entropy of its codes (keyframe) or the conditional
@@ -63,6 +71,8 @@ CODINGS = ("conditional", "delta", "plain")
 # a switch on a quality difference of 0.1x the threshold, i.e. noise, cost ~10 % of that checkpoint's
 # ratio, and the switch back the same again).
 METRIC_SWITCH_MARGIN = 0.25
+# steady-state checkpoints between two comparisons of the prune metrics (1: at every save, the paper)
+METRIC_CHECK_EVERY = 4
 
 
 @dataclass(frozen=True)
@@ -115,6 +125,8 @@ class TrialRunner:
     def __init__(self, method, state, reference, ctx, *, group=None):
         self.method, self.state, self.reference = method, state, reference
         self.gradients = ctx.gradients
+        prepare = getattr(method, "search_prepare", None)
+        self.prepared = prepare(state, reference, ctx.gradients) if prepare is not None else None
         self.group = group
         self.rank, self.size = dist.world(group)
         self.judge = QualityJudge(ctx.model, ctx.eval_fn, state, threshold=ctx.threshold,
@@ -130,12 +142,16 @@ class TrialRunner:
 
     # --- one candidate, on this rank --------------------------------------------------------
     def _quantize(self, c: Candidate) -> dict:
+        if self.prepared is not None:
+            return self.prepared.quantize(c.knobs())
         return self.method.search_quantize(self.state, c.knobs(), self.gradients)
 
     def _estimate(self, q: dict) -> tuple[float, float]:
         return estimate_bits(q, self.reference, coding=self.method.search_coding)
 
     def _estimate_row(self, c: Candidate) -> list[float]:
+        if self.prepared is not None:
+            return list(self.prepared.estimate(c.knobs()))
         return list(self._estimate(self._quantize(c)))
 
     def _trial_row(self, c: Candidate) -> list[float]:
@@ -194,21 +210,22 @@ class TrialRunner:
         self.judge.close()
 
 
-def _frontier(cube: ConfigCube, groups, answer) -> list[Candidate]:
+def _frontier(cube: ConfigCube, groups, answer, lo=None) -> list[Candidate]:
     """The sequential exhaustive search as a pure function of the feasibility answers: the
-    feasible candidates it evaluated, per group in order."""
+    feasible candidates it evaluated, per group in order (over the box [lo, top])."""
     out: list[Candidate] = []
     for g in groups:
         oracle = MonotoneOracle(lambda p, g=g: answer(cube.candidate(p, g)))
-        guided_search(cube.bottom, cube.top, oracle)
+        guided_search(cube.bottom if lo is None else lo, cube.top, oracle)
         out += [cube.candidate(p, g) for p in oracle.feasible]
     return out
 
 
-def exhaustive_search(runner: TrialRunner, cube: ConfigCube, groups) -> tuple[Trial, bool]:
-    """Guided exhaustive search per group; (best feasible trial by estimated ratio, infeasible?)."""
+def exhaustive_search(runner: TrialRunner, cube: ConfigCube, groups, *, lo=None) -> tuple[Trial, bool]:
+    """Guided exhaustive search per group over the box [lo, top] (the whole cube by default);
+    (best feasible trial by estimated ratio, infeasible?)."""
     def procedure(answer):
-        return _frontier(cube, groups, answer)
+        return _frontier(cube, groups, answer, lo)
 
     if runner.size > 1:  # rounds of speculative trials until the search can run from the cache
         while spec := speculate(procedure, lambda c: getattr(runner.cached(c), "feasible", None), runner.size):
@@ -223,15 +240,17 @@ def exhaustive_search(runner: TrialRunner, cube: ConfigCube, groups) -> tuple[Tr
 
 def neighbourhood_search(runner: TrialRunner, cube: ConfigCube, prev: Candidate, groups, *,
                          steps: int = 1, monotone: bool = True, threshold: float = 0.01,
-                         switch_margin: float = METRIC_SWITCH_MARGIN) -> tuple[Trial | None, dict]:
-    """The first feasible config near ``prev`` in decreasing estimated ratio (None if none)."""
+                         switch_margin: float = METRIC_SWITCH_MARGIN,
+                         check_groups: bool = True) -> tuple[Trial | None, dict]:
+    """The first feasible config near ``prev`` in decreasing estimated ratio (None if none).
+    ``check_groups``: compare the group values (prune metrics) at ``prev`` first."""
     p = cube.point(prev)
     if p is None:
         return None, {"reason": "previous config is not in the search space"}
     groups = list(groups)
     cur = cube.group(prev) if cube.group(prev) in groups else groups[0]
     switched = False
-    if len(groups) > 1:
+    if len(groups) > 1 and check_groups:
         other = next(g for g in groups if g != cur)
         a, b = cube.candidate(p, cur), cube.candidate(p, other)
         runner.evaluate([a, b])  # one round on two or more ranks
@@ -245,6 +264,7 @@ def neighbourhood_search(runner: TrialRunner, cube: ConfigCube, prev: Candidate,
     extra = {"neighbours": len(cands)}
     if cube.space.group_knob:
         extra["metric_switched"] = switched
+        extra["metric_checked"] = bool(len(groups) > 1 and check_groups)
     return runner.first_feasible([cands[i] for i in order]), extra
 
 
@@ -252,12 +272,14 @@ def _json_float(x: float) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
-def search_config(method, state, reference, ctx, search_state, *, group=None):
+def search_config(method, state, reference, ctx, search_state, *, group=None, runner: TrialRunner | None = None):
     """Choose this checkpoint's quantizer knobs. Returns (knobs, info, new search_state).
 
     ``method.config.search`` supplies ``policy`` and ``neighbourhood``, ``method.space()`` the
     method's search space; the method itself the quantizer (see the module docstring).
     ``search_state`` is what the previous call returned (None at first).
+    ``runner``: a TrialRunner to use instead of the default (dcp/search.py: sharded trials in which
+    every rank quantizes its shards of each candidate); the search closes it.
     """
     t0 = time.perf_counter()
     mcfg = method.config
@@ -269,18 +291,23 @@ def search_config(method, state, reference, ctx, search_state, *, group=None):
     cube = ConfigCube(space, embedding=any(r.layer_type == "embedding" for r in recs.values()))
     groups = space.groups(ctx.gradients)
     st = dict(search_state or {})
-    runner = TrialRunner(method, state, reference, ctx, group=group)
+    runner = runner or TrialRunner(method, state, reference, ctx, group=group)
     try:
         best, extra, infeasible = None, {}, False
         kind = "exhaustive"
         prev = cube.from_knobs(st.get("best"))
         if prev is not None:
+            since = int(st.get("since_metric_check", METRIC_CHECK_EVERY))
             best, extra = neighbourhood_search(
                 runner, cube, prev, groups, steps=int(mcfg.search.neighbourhood),
-                monotone=mcfg.search.policy == "monotone", threshold=ctx.threshold)
+                monotone=mcfg.search.policy == "monotone", threshold=ctx.threshold,
+                check_groups=since + 1 >= METRIC_CHECK_EVERY)
             kind = "neighbourhood" if best is not None else "fallback"
         if best is None:
-            best, infeasible = exhaustive_search(runner, cube, groups)
+            # under the monotone policy a fallback never goes below the previous best: it searches
+            # the box above it (fewer evaluations; the whole cube for "free" or without a previous best)
+            lo = cube.point(prev) if prev is not None and mcfg.search.policy == "monotone" else None
+            best, infeasible = exhaustive_search(runner, cube, groups, lo=lo)
     finally:
         runner.close()
     info = {"search": kind, "evals": runner.evals, "rounds": runner.rounds, "estimates": runner.n_estimates,
@@ -290,6 +317,8 @@ def search_config(method, state, reference, ctx, search_state, *, group=None):
             "degradation": _json_float(best.degradation), "threshold": ctx.threshold,
             "higher_is_better": bool(ctx.higher_is_better), "est_ratio": round(best.est_ratio, 3),
             "infeasible": infeasible, **extra, "search_s": round(time.perf_counter() - t0, 3)}
+    checked = kind != "neighbourhood" or extra.get("metric_checked", False)  # exhaustive tries every group
     new_state = {"best": best.candidate.knobs(), "checkpoints": st.get("checkpoints", 0) + 1,
-                 "exhaustive": st.get("exhaustive", 0) + (kind != "neighbourhood")}
+                 "exhaustive": st.get("exhaustive", 0) + (kind != "neighbourhood"),
+                 "since_metric_check": 0 if checked else int(st.get("since_metric_check", METRIC_CHECK_EVERY)) + 1}
     return best.candidate.knobs(), info, new_state

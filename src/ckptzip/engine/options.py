@@ -1,0 +1,42 @@
+"""Runtime knobs of the asynchronous engine (not written into checkpoints), and its warning."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..configcheck import OneOf, Range, check_fields
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Runtime knobs of the asynchronous engine (not written into checkpoints)."""
+
+    redundancy: int = 2                    # R: newest staged checkpoints kept in shared memory
+    memory_budget_bytes: int | None = None  # cap on this engine's shared memory (None: R slots, checked
+                                           # against the free space of /dev/shm)
+    agent_start_timeout_s: float = 120.0   # a started agent that says nothing for this long is killed
+    takeover_timeout_s: float = 600.0      # wait for a crashed trainer's agent to finish its current commit
+    orphan_linger_s: float = 60.0          # an agent whose trainer died keeps the slots this long
+    warn_on_backpressure: bool = True      # warnings.warn when a save waits for the agent
+    max_agent_restarts: int = 3            # agent deaths while committing one step before it fails
+    agent_imports: tuple[str, ...] = ()    # modules the agent imports first (custom methods, filesystems)
+    agent_threads: int | None = None       # torch threads in the agent (None: torch's default)
+    agent_nice: int = 10                   # niceness added to the agent: training keeps the CPU it needs
+    agent_log: str | None = None           # append the agent's stderr to this file (None: discard)
+    checksum_by: str = "agent"             # who sums a staged slot: "agent" (before encoding, off the
+                                           # blocking path) or "trainer" (inside save, ~1/3 more blocking)
+    pin_cuda: bool = True                  # page-lock slots for direct device-to-host copies
+    rank: int | None = None                # None: the torch.distributed rank if initialized, else 0
+
+    def __post_init__(self):
+        if isinstance(self.agent_imports, str):
+            raise ConfigError(f"EngineOptions.agent_imports must be a tuple of module names, e.g. ('mypkg.methods',), "
+                              f"got {self.agent_imports!r}")
+        seconds = Range(ge=0)
+        check_fields(self, redundancy=Range(ge=1), memory_budget_bytes=Range(gt=0), agent_start_timeout_s=seconds,
+                     takeover_timeout_s=seconds, orphan_linger_s=seconds, max_agent_restarts=Range(ge=0),
+                     agent_threads=Range(ge=1), checksum_by=OneOf(("agent", "trainer")), rank=Range(ge=0))
+
+
+class BackpressureWarning(UserWarning):
+    """A save waited for the agent: it is ``redundancy`` saves behind."""

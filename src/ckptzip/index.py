@@ -1,0 +1,105 @@
+"""The chain's index (``index.json``): the commit of a chain, and who may write it next.
+
+Layout (JSON)::
+
+    {"format": "ckptzip-chain", "version": 1,
+     "entries": [Entry, ...],              # committed checkpoints, oldest first
+     "sha256": sha256 of the canonical JSON of "entries",
+     "owner": {...}}                       # the writer's lease record (lease.py); absent in 0.1 chains
+
+The checksum covers the entries only, so 0.1 readers (which ignore unknown fields) still read an
+index written with an owner. ``parse`` rejects a damaged or newer index with a one-line
+CorruptCheckpointError; ``dumps`` writes one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from .errors import CorruptCheckpointError
+from .format import sha256
+
+INDEX = "index.json"
+INDEX_FORMAT = "ckptzip-chain"
+INDEX_VERSION = 1   # "owner" was added without a bump: 0.1 readers ignore it
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One committed checkpoint as listed in the index."""
+
+    step: int
+    file: str
+    parent: int | None
+    keyframe: bool
+    method: str
+    nbytes: int
+    raw_bytes: int
+    sha256: str
+    created_unix: float
+    bytes_by_role: dict = field(default_factory=dict)  # role -> [raw, stored]
+    summary: dict = field(default_factory=dict)        # method facts worth listing (config chosen, ...)
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.nbytes if self.nbytes else float("inf")
+
+
+@dataclass(frozen=True)
+class Index:
+    """One read of the index: its entries, owner record and storage version (None: no index yet)."""
+
+    entries: list[Entry]
+    owner: dict | None = None
+    version: str | None = None
+
+
+def checkpoint_file(step: int, tag: str | None = None) -> str:
+    """A step's file name; ``tag`` makes it unique when the plain name is taken (by an orphan)."""
+    return f"step-{step:012d}.ckz" if tag is None else f"step-{step:012d}.{tag}.ckz"
+
+
+def parse(raw: bytes, version: str | None, where: str) -> Index:
+    try:
+        doc = json.loads(raw)
+        body = doc["entries"]
+        ok = doc.get("format") == INDEX_FORMAT and doc.get("sha256") == sha256(_canonical(body))
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise CorruptCheckpointError(f"{where}: chain index is corrupt or not a ckptzip index; run `ckptzip verify` "
+                                     "and restore it from a backup")
+    if int(doc.get("version", 0)) > INDEX_VERSION:
+        raise CorruptCheckpointError(f"{where}: index version {doc['version']} is newer than this ckptzip; "
+                                     "upgrade ckptzip")
+    return Index([Entry(**e) for e in body], doc.get("owner"), version)
+
+
+def dumps(entries: list[Entry], owner: dict | None) -> bytes:
+    body = [dataclasses.asdict(e) for e in entries]
+    doc = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "entries": body, "sha256": sha256(_canonical(body)),
+           "owner": owner}
+    return json.dumps(doc, indent=1).encode()
+
+
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def replay_path(entries: list[Entry], step: int, url: str) -> list[int]:
+    """The steps a restore of ``step`` decodes, keyframe first (CorruptCheckpointError on a broken link)."""
+    by_step = {e.step: e for e in entries}
+    path = []
+    cur = step
+    while True:
+        e = by_step.get(cur)
+        if e is None:
+            raise CorruptCheckpointError(f"{url}: step {path[-1] if path else step} needs parent step {cur}, "
+                                         "which is not in the chain")
+        path.append(cur)
+        if e.keyframe:
+            return path[::-1]
+        if len(path) > len(entries):
+            raise CorruptCheckpointError(f"{url}: parent links form a cycle at step {cur}")
+        cur = e.parent

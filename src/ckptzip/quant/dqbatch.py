@@ -1,0 +1,355 @@
+"""DynaQuant over many tensors at once: one buffer, three kernel passes, one batched k-means.
+
+The per-tensor calls of quant/dynaquant.py (``fit_layer_thresholds``, ``quantize``) are the
+plain-torch reference; ``quantize_tensors`` returns the same plan and the same QuantizedTensors
+(codes, codebooks, protected values, meta; tests/test_quant_dqbatch.py checks it) at memory speed::
+
+    plan, qs = quantize_tensors({name: (tensor, layer_type[, role])}, config, grads)
+
+1. pack: the quantizable tensors, in order, into float32 chunks of up to ``CHUNK`` elements with
+   segment offsets (a larger tensor is its own chunk, a view when it is float32 already); the
+   gradients the same way when a layer type uses sensitivity;
+2. sketch pass: ``segment_histograms`` -> every tensor's signed and |x| (and |x g|)
+   histograms, inf/NaN checked on the way; merged per layer type -> thresholds
+   (``layer_type_plan``, shared with the reference); prune caps by one batched quantile;
+3. partition pass: per tensor the histogram of its *quantized* values (neither pruned nor
+   protected), and its pruned / protected counts;
+4. k-means: every tensor's histogram in one ``histogram_centers`` call per bins value;
+5. assign pass: codes (uint8 when the levels fit, else int16 / int32) and the protected values
+   in index order.
+
+Per-tensor Python work is a few slices and a dataclass. On CPU each pass is one numba call per
+chunk, and chunks run on ``parallel.thread_map`` (the kernels release the GIL). Elsewhere (CUDA),
+or while a distributed sketch hook is active, the reference runs per tensor.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, NonFiniteError
+from ..logbuckets import HAVE_NUMBA, lookup_table, segment_histograms
+from ..parallel import thread_map
+from ..sketch import LogSketch
+from ..tensorbytes import dtype_name
+from . import dynaquant as dq
+from .base import QuantizedTensor
+from .dqkernels import assign_kernel, partition_hist_kernel
+from .levels import from_domain, histogram_centers, level_bounds
+
+__all__ = ["quantize_tensors", "fast_path", "Sketched", "Chunk", "row_quantiles", "CHUNK"]
+
+CHUNK = 1 << 22  # elements per packed chunk: bounds the extra float32 copy, and the unit of threading
+
+
+class Chunk:
+    """Consecutive quantizable tensors packed into one float32 buffer (or one large tensor's view)."""
+
+    def __init__(self, names: list[str], flats: list[torch.Tensor], grads: list[torch.Tensor | None]):
+        self.names = names
+        sizes = [f.numel() for f in flats]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.x = flats[0] if len(flats) == 1 else torch.cat(flats)
+        self.g = None
+        if any(g is not None for g in grads):
+            self.g = torch.cat([g if g is not None else torch.zeros(n) for g, n in zip(grads, sizes)]) \
+                if len(grads) > 1 else grads[0]
+
+    def seg(self, i: int) -> slice:
+        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).to(torch.float32).contiguous()
+
+
+def _pack(order: list[str], tensors: Mapping, grads_of: dict[str, torch.Tensor | None]) -> list[Chunk]:
+    chunks, cur, size = [], [], 0
+    for name in order:
+        n = tensors[name].numel()
+        if cur and size + n > CHUNK:
+            chunks.append(cur)
+            cur, size = [], 0
+        cur.append(name)
+        size += n
+    if cur:
+        chunks.append(cur)
+    return [Chunk(c, [_f32(tensors[n]) for n in c],
+                   [None if grads_of.get(n) is None else _f32(grads_of[n]) for n in c]) for c in chunks]
+
+
+def quantize_tensors(tensors: Mapping[str, tuple], config: dq.DynaQuantConfig = dq.DynaQuantConfig(),
+                     grads: Mapping[str, torch.Tensor] | None = None, *, threads: int | None = None
+                     ) -> tuple[dq.DynaQuantPlan, dict[str, QuantizedTensor]]:
+    """``fit_layer_thresholds`` then ``quantize`` of every quantizable tensor, batched (module
+    docstring). Same arguments; returns (plan, {name: QuantizedTensor}) with narrow codes (uint8
+    when the levels fit). ``threads``: chunks in parallel (default torch.get_num_threads())."""
+    if not fast_path(t for t, *_ in (dq._unpack(s) for s in tensors.values())):
+        plan = dq.fit_layer_thresholds(tensors, config, grads)
+        return plan, {n: dq.quantize(dq._unpack(tensors[n])[0], n, plan) for n in plan.tensors}
+    sk = Sketched(tensors, config, grads, threads=threads)
+    plan = sk.plan(config)
+    return plan, sk.quantize(plan)
+
+
+def fast_path(tensors) -> bool:
+    """Whether the kernels run here: numba installed, CPU tensors, no distributed sketch hook."""
+    return HAVE_NUMBA and all(t.device.type == "cpu" for t in tensors) and not _sharing()
+
+
+class Sketched:
+    """The config-independent half of quantizing a set of tensors: which are quantizable, their
+    packed chunks, and (on the first ``plan``) every tensor's |x| and |x g| histograms. Build it
+    once per checkpoint, then ``plan`` / ``quantize`` under any config with the same alpha and
+    min_numel (the config search does, per candidate)."""
+
+    def __init__(self, tensors: Mapping[str, tuple], config: dq.DynaQuantConfig,
+                 grads: Mapping[str, torch.Tensor] | None = None, *, threads: int | None = None,
+                 quantizable: bool | None = None):
+        self.alpha, self.min_numel, self.grads, self.threads = config.alpha, config.min_numel, grads, threads
+        self.specs = {n: dq._unpack(spec) for n, spec in tensors.items()}
+        self.groups: dict[str, list[str]] = {}
+        self.skipped = []
+        for name, (t, lt, role) in self.specs.items():
+            if not t.is_floating_point():
+                raise TypeError(f"{name}: DynaQuant quantizes float tensors, got {t.dtype}")
+            if quantizable or (quantizable is None and dq.is_quantizable(lt, role, t.numel(), min_numel=self.min_numel)):
+                self.groups.setdefault(lt, []).append(name)
+            else:
+                self.skipped.append(name)
+        self.order = [n for items in self.groups.values() for n in items]
+        self.layer_of = {n: lt for lt, items in self.groups.items() for n in items}
+        self.fallback = {lt: grads is None or any(n not in grads for n in items) for lt, items in self.groups.items()}
+        grads_of = {n: grads[n] for n in self.order if not self.fallback[self.layer_of[n]]}
+        for n, g in grads_of.items():
+            if g.numel() != self.specs[n][0].numel():
+                raise ConfigError(f"{n}: gradient has {g.numel()} elements, tensor has {self.specs[n][0].numel()}")
+        self.chunks = _pack(self.order, {n: self.specs[n][0] for n in self.order}, grads_of)
+        self.has_grad = set(grads_of)
+        self._rows = None  # name -> (|x| row, |x g| row | None), from the sketch pass
+
+    def rows(self) -> dict:
+        """The sketch pass (once): name -> (|x| row, |x g| row or None, signed row), histogram rows
+        (ords, counts) of LogSketch(alpha); checks inf/NaN."""
+        if self._rows is None:
+            def sketch(c: Chunk):
+                signed, mag = segment_histograms(c.x, c.offsets, alpha=self.alpha, names=c.names,
+                                                 kinds=("signed", "abs"))
+                sens = None
+                if c.g is not None:
+                    sens, = segment_histograms(c.x * c.g, c.offsets, alpha=self.alpha, names=c.names, kinds=("abs",))
+                return mag, sens, signed
+
+            rows = {}
+            for c, (mag, sens, signed) in zip(self.chunks, thread_map(sketch, self.chunks, self.threads)):
+                for i, n in enumerate(c.names):
+                    rows[n] = (_row(mag, i), _row(sens, i) if sens is not None and n in self.has_grad else None,
+                               _row(signed, i))
+            self._rows = rows
+        return self._rows
+
+    def plan(self, cfg: dq.DynaQuantConfig) -> dq.DynaQuantPlan:
+        """``fit_layer_thresholds`` under ``cfg`` from the stored histograms."""
+        self._check(cfg)
+        if cfg.domain == "log":
+            for c in self.chunks:
+                for i, n in enumerate(c.names):
+                    dq._check_domain(c.x[c.seg(i)], n, "log")
+        rows = self.rows()
+        cap_q = dq.prune_cap_quantile(cfg)
+        tensor_prune: dict[str, float] = {}
+        plans: dict[str, dq.LayerTypePlan] = {}
+        for lt, items in self.groups.items():
+            mag_sk = _merged([rows[n][0] for n in items], cfg.alpha)
+            sens_sk = None if self.fallback[lt] else _merged([rows[n][1] for n in items], cfg.alpha)
+            numel = sum(self.specs[n][0].numel() for n in items)
+            plans[lt] = dq.layer_type_plan(lt, numel, mag_sk, sens_sk, cfg)
+            if cap_q is not None and lt != "embedding":
+                use_sens = cfg.prune_metric == "sensitivity" and not self.fallback[lt]
+                caps = row_quantiles([rows[n][1 if use_sens else 0] for n in items], cap_q, cfg.alpha)
+                tensor_prune.update(zip(items, caps))
+        plan = dq.DynaQuantPlan(cfg, plans, dict(self.layer_of), tuple(self.skipped), self.grads, tensor_prune)
+        if cfg.center_scope == "layer_type":
+            hist, _, _ = self._partition(plan)
+            plan = dq.replace(plan, layer_types={
+                lt: dq.replace(p, centers=_type_centers([hist[n] for n in self.groups[lt]], p.bins, cfg))
+                for lt, p in plan.layer_types.items()})
+        return plan
+
+    def quantize(self, plan: dq.DynaQuantPlan) -> dict[str, QuantizedTensor]:
+        """Every quantizable tensor under ``plan`` (one fitted on these tensors, e.g. ``plan()``)."""
+        cfg = plan.config
+        self._check(cfg)
+        hist, n_pruned, n_prot = self._partition(plan)
+        centers = self._centers(plan, hist, n_pruned, n_prot)
+        params = {n: _partition_params(n, plan) for n in self.order}
+
+        def assign(c: Chunk):
+            ks = [int(centers[n].numel()) for n in c.names]
+            return _assign(c, [params[n] for n in c.names],
+                           [level_bounds(centers[n], cfg.domain) for n in c.names], ks, [n_prot[n] for n in c.names])
+
+        out: dict[str, QuantizedTensor] = {}
+        for c, (codes, prot, prot_off) in zip(self.chunks, thread_map(assign, self.chunks, self.threads)):
+            for i, n in enumerate(c.names):
+                out[n] = _quantized(n, self.specs[n][0], plan, centers[n], codes[c.seg(i)],
+                                    prot[int(prot_off[i]):int(prot_off[i + 1])], n_pruned[n], n_prot[n])
+        return {n: out[n] for n in self.order}
+
+    def _check(self, cfg: dq.DynaQuantConfig) -> None:
+        if cfg.alpha != self.alpha or cfg.min_numel != self.min_numel:
+            raise ConfigError("a Sketched batch serves configs of its own alpha and min_numel only; build another")
+
+    def _partition(self, plan):
+        """Partition pass: each tensor's quantized-value histogram, pruned and protected counts."""
+        params = {n: _partition_params(n, plan) for n in self.order}
+
+        def partition(c: Chunk):
+            return _partition_hist(c, [params[n] for n in c.names], plan.config.alpha)
+
+        hist, n_pruned, n_prot = {}, {}, {}
+        for c, (h, npr, npt) in zip(self.chunks, thread_map(partition, self.chunks, self.threads)):
+            for i, n in enumerate(c.names):
+                hist[n], n_pruned[n], n_prot[n] = _row(h, i), int(npr[i]), int(npt[i])
+        return hist, n_pruned, n_prot
+
+    def _centers(self, plan, hist, n_pruned, n_prot) -> dict[str, torch.Tensor]:
+        """Domain centers (float32) of every tensor: the plan's per layer type, else one batched
+        k-means per bins value."""
+        cfg = plan.config
+        out: dict[str, torch.Tensor] = {}
+        by_bins: dict[int, list[str]] = {}
+        for n in self.order:
+            ltp = plan.layer_types[plan.tensors[n]]
+            x = self.specs[n][0]
+            if ltp.centers is not None:
+                out[n] = ltp.centers.cpu()
+            elif x.numel() - n_pruned[n] - n_prot[n] <= ltp.bins:  # every value its own center, exactly
+                xf = dq._flat_f32(x, n)
+                out[n] = dq._fit_centers(xf[dq._partition(xf, n, plan) == 1], ltp.bins, cfg).cpu()
+            else:
+                by_bins.setdefault(ltp.bins, []).append(n)
+        for k, names in by_bins.items():
+            ords = torch.cat([hist[n][0] for n in names])
+            counts = torch.cat([hist[n][1] for n in names])
+            ptr = torch.tensor([0] + [hist[n][0].numel() for n in names]).cumsum(0)
+            out.update(zip(names, histogram_centers(ords, counts, ptr, k, cfg)))
+        return out
+
+
+def _type_centers(rows, k: int, cfg) -> torch.Tensor:
+    sk = _merged(rows, cfg.alpha)
+    c = torch.empty(0) if sk.count == 0 else dq._sketch_centers(sk, k, cfg)
+    return torch.as_tensor(c, dtype=torch.float32).reshape(-1)
+
+
+def _sharing() -> bool:
+    try:
+        from ..dist import sharing
+    except ImportError:
+        return False
+    return bool(sharing())
+
+
+def _row(csr, i: int):
+    ords, counts, ptr = csr
+    a, b = int(ptr[i]), int(ptr[i + 1])
+    return ords[a:b], counts[a:b]
+
+
+def _merged(rows, alpha: float) -> LogSketch:
+    return LogSketch.from_counts(torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]), alpha)
+
+
+def row_quantiles(rows, q: float, alpha: float) -> list[float]:
+    """``LogSketch.quantile(q)`` of every row at once (same ranks, same searchsorted)."""
+    ords = torch.cat([r[0] for r in rows])
+    counts = torch.cat([r[1] for r in rows])
+    n = torch.tensor([int(r[1].sum()) for r in rows], dtype=torch.int64)
+    sizes = torch.tensor([r[0].numel() for r in rows], dtype=torch.int64)
+    cum = torch.cumsum(counts, 0)
+    start = torch.cumsum(sizes, 0) - sizes
+    before = torch.cat([torch.zeros(1, dtype=torch.int64), cum])[start]
+    rank = torch.tensor([math.floor(q * (int(v) - 1)) for v in n], dtype=torch.int64)
+    pos = torch.searchsorted(cum, before + rank, right=True)
+    pos = torch.minimum(pos, start + sizes - 1)
+    vals = LogSketch(alpha).ordinal_values(ords[pos])
+    return [float(v) if int(m) else math.nan for v, m in zip(vals, n)]
+
+
+def _partition_params(name: str, plan: dq.DynaQuantPlan) -> tuple:
+    """(prune below, prune on sensitivity, protect |x| above, protect |x g| above, uses g) as the
+    reference's float32 compares see them (a Python float against a float32 tensor rounds to
+    nearest float32)."""
+    ltp = plan.layer_types[plan.tensors[name]]
+    has_g = not ltp.sensitivity_fallback and plan.grads is not None and name in plan.grads
+    prune = -math.inf
+    if ltp.prune_threshold is not None:
+        prune = min(ltp.prune_threshold, plan.tensor_prune.get(name, math.inf))
+    pm = math.inf if ltp.protect_magnitude is None else ltp.protect_magnitude
+    ps = math.inf if (ltp.protect_sensitivity is None or not has_g) else ltp.protect_sensitivity
+    on_sens = plan.config.prune_metric == "sensitivity" and has_g
+    return (float(np.float32(prune)), on_sens, float(np.float32(pm)), float(np.float32(ps)), has_g)
+
+
+def _param_arrays(params):
+    p = list(zip(*params))
+    return (np.array(p[0], np.float32), np.array(p[1], np.bool_), np.array(p[2], np.float32),
+            np.array(p[3], np.float32), np.array(p[4], np.bool_))
+
+
+def _views(c: Chunk):
+    x = c.x.numpy()
+    g = c.g.numpy() if c.g is not None else np.zeros(0, np.float32)
+    return x.view(np.int32), x, g
+
+
+def _partition_hist(c: Chunk, params, alpha: float):
+    t = lookup_table(float(alpha), 1e-30)
+    M = int(t.key.max())
+    bits, x, g = _views(c)
+    T = len(c.names)
+    cap = int(np.minimum(np.diff(c.offsets), 2 * M + 1).sum())
+    ords, counts = np.empty(cap, np.int64), np.empty(cap, np.int64)
+    ptr = np.zeros(T + 1, np.int64)
+    n_pruned, n_prot = np.zeros(T, np.int64), np.zeros(T, np.int64)
+    bad = partition_hist_kernel(bits, x, g, c.offsets, *_param_arrays(params), t.shift, t.key, t.bound, M,
+                            ords, counts, ptr, n_pruned, n_prot)
+    if bad >= 0:
+        raise NonFiniteError(f"{c.names[bad]}: tensor holds inf/NaN; DynaQuant needs finite values (store it exact)")
+    n = int(ptr[-1])
+    return (torch.from_numpy(ords[:n]), torch.from_numpy(counts[:n]), torch.from_numpy(ptr)), n_pruned, n_prot
+
+
+def _assign(c: Chunk, params, bounds, ks, n_prot):
+    _, x, g = _views(c)
+    T = len(c.names)
+    kb = max([b.numel() for b in bounds] + [1])
+    kb = next((w for w in (3, 7, 15, 31, 63) if kb <= w), kb)  # the kernels' fixed widths
+    B = np.full((T, kb), np.inf, np.float32)
+    for i, b in enumerate(bounds):
+        B[i, :b.numel()] = b.numpy()
+    nb = np.array([b.numel() for b in bounds], np.int64)
+    top = max(ks) + 1
+    codes = np.empty(x.size, np.uint8 if top < 256 else np.int16 if top < 32768 else np.int32)
+    prot_off = np.concatenate([[0], np.cumsum(n_prot)]).astype(np.int64)
+    prot = np.empty(int(prot_off[-1]), np.float32)
+    assign_kernel(x, g, c.offsets, *_param_arrays(params), B, nb, np.array(ks, np.int64), codes, prot, prot_off)
+    return torch.from_numpy(codes), torch.from_numpy(prot), prot_off
+
+
+def _quantized(name, x, plan, centers_f, codes, prot, n_pruned, n_prot) -> QuantizedTensor:
+    cfg = plan.config
+    ltp = plan.layer_types[plan.tensors[name]]
+    k = int(centers_f.numel())
+    centers = from_domain(centers_f.to(torch.float64), cfg.domain).to(torch.float32)
+    codebook = torch.cat([torch.zeros(1), centers, torch.full((1,), float("nan"))])
+    meta = {"descriptor": dq.DESCRIPTOR, "domain": cfg.domain, "k": k, "center_scope": cfg.center_scope,
+            "prune_metric": cfg.prune_metric, "n_pruned": n_pruned, "n_protected": n_prot, **ltp.to_meta()}
+    return QuantizedTensor(codes=codes, n_levels=k + 2, codebook=codebook, shape=tuple(x.shape),
+                           dtype=dtype_name(x.dtype), side={"protected": prot.to(torch.bfloat16)}, meta=meta)
+
+

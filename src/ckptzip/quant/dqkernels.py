@@ -1,0 +1,124 @@
+"""The element passes of batched DynaQuant (quant/dqbatch.py) as numba kernels over segments.
+
+Each kernel walks one packed chunk (segments = tensors) once; per segment it gets the partition
+parameters (prune threshold and metric, protect thresholds, whether a gradient is packed) as the
+float32 compares of ``dynaquant._partition`` see them. The plain-torch reference of both passes is
+``dynaquant.quantize_reference`` (tests/test_quant_dqbatch.py checks codes, histograms and
+protected values equal)::
+
+    bad = partition_hist_kernel(...)   # quantized-value histogram rows, pruned / protected counts
+    assign_kernel(...)                 # codes and the protected values in index order
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..logbuckets import HAVE_NUMBA
+
+if HAVE_NUMBA:
+    import numba as _numba
+
+    from ..logbuckets import bucket_fold, emit_counts
+
+__all__ = ["partition_hist_kernel", "assign_kernel"]
+
+if HAVE_NUMBA:
+    @_numba.njit(cache=True, nogil=True, inline="always")
+    def _part(v, gi, hg, prune, on_sens, pm, ps):  # pragma: no cover - compiled
+        """(pruned, protected) of one value, as dynaquant._partition (protection wins). Written as
+        selects, not branches: the loops around it vectorize (4x faster)."""
+        a = abs(v)
+        if hg:
+            sens = abs(v * gi)
+            return (v == 0) | ((sens if on_sens else a) < prune), (a > pm) | (sens > ps)
+        return (v == 0) | (a < prune), a > pm
+
+    @_numba.njit(cache=True, nogil=True)
+    def partition_hist_kernel(bits, x, g, offsets, prune, on_sens, pm, ps, has_g, shift, key, bound, M,
+                          ords, counts, ptr, n_pruned, n_prot):  # pragma: no cover - compiled
+        d = np.zeros((4, 2 * M + 2), dtype=np.int64)
+        n = 0
+        zero = np.float32(0.0)
+        for s in range(offsets.shape[0] - 1):
+            lo, hi = 2 * M + 1, 0
+            npr = 0
+            npt = 0
+            hg = has_g[s]
+            bad = 0
+            for i in range(offsets[s], offsets[s + 1]):
+                prn, prt = _part(x[i], g[i] if hg else zero, hg, prune[s], on_sens[s], pm[s], ps[s])
+                j = bucket_fold(bits[i], x[i], shift, key, bound)
+                bad = min(bad, j)
+                q = not (prn | prt)
+                d[i & 3, max(j, 0)] += q
+                lo = min(lo, j if q else lo)
+                hi = max(hi, j if q else hi)
+                npr += prn & (not prt)
+                npt += prt
+            if bad < 0:
+                return s
+            n = emit_counts(d, lo, hi, False, True, ords, counts, n)
+            ptr[s + 1] = n
+            n_pruned[s] = npr
+            n_prot[s] = npt
+        return -1
+
+    def _assign_range(width: int):
+        """Codes of x[a:e] against boundaries b padded to ``width`` with +inf (0: any width, by
+        binary search). The boundary count is branch-free with a constant trip count, so LLVM
+        vectorizes across values (1.5 ns per value instead of 6 for k = 16)."""
+        @_numba.njit(cache=True, nogil=True)
+        def run(x, g, a, e, hg, b, prune, on_sens, pm, ps, top, codes):  # pragma: no cover - compiled
+            z = np.float32(0.0)
+            for i in range(a, e):
+                v = x[i]
+                c = 0
+                if width:
+                    for j in range(width):
+                        c += b[j] < v
+                else:
+                    hi = b.shape[0]
+                    while c < hi:
+                        h = (c + hi) >> 1
+                        if b[h] < v:
+                            c = h + 1
+                        else:
+                            hi = h
+                prn, prt = _part(v, g[i] if hg else z, hg, prune, on_sens, pm, ps)
+                codes[i] = top if prt else (0 if prn else c + 1)
+        return run
+
+    _assign3, _assign7, _assign15, _assign31, _assign63, _assign_any = (
+        _assign_range(w) for w in (3, 7, 15, 31, 63, 0))
+
+    @_numba.njit(cache=True, nogil=True)
+    def _assign_segment(x, g, a, e, hg, b, m, prune, on_sens, pm, ps, top, codes):  # pragma: no cover
+        if m <= 3:
+            _assign3(x, g, a, e, hg, b, prune, on_sens, pm, ps, top, codes)
+        elif m <= 7:
+            _assign7(x, g, a, e, hg, b, prune, on_sens, pm, ps, top, codes)
+        elif m <= 15:
+            _assign15(x, g, a, e, hg, b, prune, on_sens, pm, ps, top, codes)
+        elif m <= 31:
+            _assign31(x, g, a, e, hg, b, prune, on_sens, pm, ps, top, codes)
+        elif m <= 63:
+            _assign63(x, g, a, e, hg, b, prune, on_sens, pm, ps, top, codes)
+        else:
+            _assign_any(x, g, a, e, hg, b[:m], prune, on_sens, pm, ps, top, codes)
+
+    @_numba.njit(cache=True, nogil=True)
+    def assign_kernel(x, g, offsets, prune, on_sens, pm, ps, has_g, B, nb, ks, codes, prot,
+                       prot_off):  # pragma: no cover - compiled
+        for s in range(offsets.shape[0] - 1):
+            a, e = offsets[s], offsets[s + 1]
+            m = nb[s]
+            top = ks[s] + 1
+            _assign_segment(x, g, a, e, has_g[s], B[s], m, prune[s], on_sens[s], pm[s], ps[s], top, codes)
+            q = prot_off[s]
+            if prot_off[s + 1] > q:
+                for i in range(a, e):          # protected values, in index order
+                    if codes[i] == top:
+                        prot[q] = x[i]
+                        q += 1
+else:  # pragma: no cover
+    partition_hist_kernel = assign_kernel = None

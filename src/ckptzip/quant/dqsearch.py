@@ -1,0 +1,271 @@
+"""DynaQuant's side of the config search: sketch once per checkpoint, estimate every candidate from
+histograms, quantize only the candidates that are evaluated.
+
+The search (search/strategies.py) asks a method for ``search_prepare(state, reference, gradients)``
+and then, per candidate config (knobs)::
+
+    prep = SearchSketch(weights, base_config, grads, reference_codes, coding)   # one sketch pass,
+                                                                                # one joint-histogram pass
+    est_bits, raw_bits = prep.estimate(knobs)     # no pass over the weights: histograms only
+    qs = prep.quantize(knobs)                     # partition + assign passes (same as quantize_tensors)
+
+``estimate`` models the encoder at bucket granularity: each tensor's signed LogSketch histogram is
+partitioned by its representatives against the candidate's magnitude thresholds (a sensitivity
+candidate is estimated with magnitude thresholds at the same fractions: the joint distribution of
+|x| and |x g| is not sketched), the quantized buckets are clustered by the same batched k-means as
+the quantizer, every bucket takes its representative's code, and the codes' entropy is counted:
+H(codes) for a keyframe, H(code | previous code) (``coding="conditional"``, what the rearranged
+delta exploits) or H(delta) (``"delta"``) against the reference, whose joint (previous code,
+bucket) counts are taken once per checkpoint. Side costs as ``strategies.estimate_bits``: 16 bits
+per protected value, 32 per codebook entry. bench/search.py measures its rank correlation with
+the encoded sizes.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from ..logbuckets import HAVE_NUMBA, lookup_table
+from ..sketch import LogSketch
+from . import dynaquant as dq
+from .dqbatch import Sketched, Chunk, row_quantiles
+from .levels import histogram_centers, level_bounds
+
+if HAVE_NUMBA:
+    import numba as _numba
+
+    from ..logbuckets import bucket_ordinal
+
+__all__ = ["SearchSketch", "joint_counts", "joint_counts_reference"]
+
+
+class SearchSketch:
+    """One checkpoint's weights, sketched once, for every candidate config of the search."""
+
+    def __init__(self, tensors: Mapping[str, tuple], config: dq.DynaQuantConfig,
+                 grads: Mapping[str, torch.Tensor] | None = None, reference: Mapping | None = None,
+                 coding: str = "conditional", *, threads: int | None = None):
+        self.base, self.coding = config, coding
+        self.sk = Sketched(tensors, config, grads, threads=threads)
+        rows = self.sk.rows()
+        self.names = list(self.sk.order)
+        signed = [rows[n][2] for n in self.names]
+        pad = torch.nn.utils.rnn.pad_sequence
+        self.ords = pad([o for o, _ in signed], batch_first=True) if signed else torch.zeros(0, 0, dtype=torch.int64)
+        self.counts = pad([c for _, c in signed], batch_first=True) if signed else torch.zeros(0, 0, dtype=torch.int64)
+        self.nb = torch.tensor([o.numel() for o, _ in signed], dtype=torch.int64)
+        self.rep = LogSketch(config.alpha).ordinal_values(self.ords)                  # (R, B) float64
+        self.raw_bits = float(sum(self.sk.specs[n][0].numel() * self.sk.specs[n][0].element_size() * 8
+                                  for n in self.names))
+        self.joint = None  # (row, previous code, bucket index, count) of tensors with reference codes
+        if coding != "plain" and reference:
+            self.joint = joint_counts(self.sk, {n: rows[n][2] for n in self.names}, reference)
+        self.prev_levels = {n: int(reference[n].n_levels) for n in self.names if reference and n in reference}
+
+    # ------------------------------------------------------------------ candidates
+    def config(self, knobs: dict) -> dq.DynaQuantConfig:
+        return replace(self.base, **knobs) if knobs else self.base
+
+    def quantize(self, knobs: dict) -> dict:
+        """Every weight under the candidate: exactly ``quantize_tensors`` (no second sketch pass)."""
+        cfg = self.config(knobs)
+        return self.sk.quantize(self.sk.plan(cfg))
+
+    def estimate(self, knobs: dict) -> tuple[float, float]:
+        """(estimated encoded bits, raw bits) of the candidate, from the histograms alone."""
+        cfg = self.config(knobs)
+        R = len(self.names)
+        if R == 0:
+            return 0.0, 0.0
+        prune, protect, bins = self._thresholds(cfg)                          # (R,) float64, (R,)
+        a = self.rep.abs()
+        valid = torch.arange(self.rep.shape[1])[None, :] < self.nb[:, None]
+        pruned = valid & ((self.rep == 0) | (a < prune[:, None]))
+        protected = valid & (a > protect[:, None]) & ~pruned
+        quant = valid & ~pruned & ~protected
+        codes, k = self._codes(cfg, quant, bins)                              # (R, B) int64, (R,)
+        L = int(k.max()) + 2
+        codes = torch.where(pruned, 0, torch.where(protected, k[:, None] + 1, codes))
+        cnt = torch.where(valid, self.counts, 0)
+        est = 32.0 * float((k + 2).sum()) + 16.0 * float((cnt * protected).sum())
+        keyrows = torch.ones(R, dtype=torch.bool)
+        if self.joint is not None and self.joint[0].numel():
+            r, p, b, c = self.joint
+            new = codes[r, b]
+            Lp = max(self.prev_levels.values())
+            if self.coding == "conditional":  # n H(code | prev) = sum_p c_p log c_p - sum c log c
+                est += _neg_clogc(r * (Lp * L) + p * L + new, c, R * Lp * L) - _neg_clogc(r * Lp + p, c, R * Lp)
+            else:                             # n H(delta), delta = (new - prev) mod B
+                Bmax = max(L, Lp)
+                B = torch.maximum(k + 2, torch.tensor([self.prev_levels.get(n, 0) for n in self.names]))
+                est += _nlogn(torch.bincount(r, weights=c.double(), minlength=R)) + \
+                    _neg_clogc(r * Bmax + torch.remainder(new - p, B[r]), c, R * Bmax)
+            keyrows[torch.unique(r)] = False
+        if bool(keyrows.any()):               # n H(codes)
+            rr = torch.arange(R)[keyrows]
+            est += _nlogn(cnt[rr].sum(1).double()) + \
+                _neg_clogc((rr[:, None] * L + codes[rr]).reshape(-1), cnt[rr].reshape(-1), R * L)
+        return est, self.raw_bits
+
+    # ------------------------------------------------------------------ internals
+    def _thresholds(self, cfg: dq.DynaQuantConfig):
+        """Per row: prune below (float64), protect above, bins -- magnitude thresholds of the layer
+        type (protection: the top F_prot by magnitude), capped per tensor as the quantizer does."""
+        rows = self.sk.rows()
+        cap_q = dq.prune_cap_quantile(cfg)
+        prune = torch.full((len(self.names),), -math.inf, dtype=torch.float64)
+        protect = torch.full_like(prune, math.inf)
+        bins = torch.empty(len(self.names), dtype=torch.int64)
+        index = {n: i for i, n in enumerate(self.names)}
+        for lt, items in self.sk.groups.items():
+            mag = LogSketch.from_counts(torch.cat([rows[n][0][0] for n in items]),
+                                        torch.cat([rows[n][0][1] for n in items]), cfg.alpha)
+            ltp = dq.layer_type_plan(lt, 0, mag, None, cfg)
+            caps = [math.inf] * len(items)
+            if cap_q is not None and lt != "embedding":
+                caps = row_quantiles([rows[n][0] for n in items], cap_q, cfg.alpha)
+            for n, cap in zip(items, caps):
+                i = index[n]
+                if ltp.prune_threshold is not None:
+                    prune[i] = min(ltp.prune_threshold, cap)
+                if ltp.protect_magnitude is not None:
+                    protect[i] = ltp.protect_magnitude
+                bins[i] = ltp.bins
+        return prune, protect, bins
+
+    def _codes(self, cfg, quant: torch.Tensor, bins: torch.Tensor):
+        """Code of every bucket (by its representative) and the level count k per row."""
+        R, B = self.ords.shape
+        nq = quant.sum(1)
+        centers: list[torch.Tensor | None] = [None] * R
+        for k in bins.unique().tolist():
+            rows = [r for r in range(R) if int(bins[r]) == k]
+            ords = torch.cat([self.ords[r][quant[r]] for r in rows])
+            counts = torch.cat([self.counts[r][quant[r]] for r in rows])
+            ptr = torch.cat([torch.zeros(1, dtype=torch.int64), nq[rows].cumsum(0)])
+            for r, c in zip(rows, histogram_centers(ords, counts, ptr, k, cfg)):
+                centers[r] = c
+        k = torch.tensor([c.numel() for c in centers], dtype=torch.int64)
+        bounds = torch.full((R, max(1, int(k.max()) - 1)), math.inf, dtype=torch.float64)
+        for r, c in enumerate(centers):
+            b = level_bounds(c, cfg.domain)
+            bounds[r, :b.numel()] = b.double()
+        return 1 + torch.searchsorted(bounds, self.rep.contiguous()), k
+
+
+def _neg_clogc(cells: torch.Tensor, counts: torch.Tensor, size: int) -> float:
+    """-sum c log2 c over the cells of ``counts`` binned by ``cells``."""
+    c = torch.bincount(cells, weights=counts.to(torch.float64), minlength=size)
+    c = c[c > 0]
+    return float(-(c * torch.log2(c)).sum())
+
+
+def _nlogn(n: torch.Tensor) -> float:
+    n = n[n > 0]
+    return float((n * torch.log2(n)).sum())
+
+
+def joint_counts(sk: Sketched, signed_rows: Mapping[str, tuple], reference: Mapping) -> tuple:
+    """(row, previous code, bucket index, count) of every tensor whose reference codes have its
+    size: one pass over the weights (numba; ``joint_counts_reference`` is the same in torch)."""
+    if not HAVE_NUMBA:
+        return joint_counts_reference(sk, signed_rows, reference)
+    t = lookup_table(sk.alpha, 1e-30)
+    index = {n: i for i, n in enumerate(sk.order)}
+    parts = []
+    for c in sk.chunks:
+        prev, rows, lo, maps = _chunk_refs(c, signed_rows, reference, index)
+        if prev is None:
+            continue
+        x = c.x.numpy()
+        L = int(prev.max()) + 1
+        cap = int(sum(min(c.offsets[i + 1] - c.offsets[i], L * (m.size)) for i, m in enumerate(maps) if m is not None))
+        out = np.empty((4, cap), dtype=np.int64)
+        lut = np.concatenate([m if m is not None else np.zeros(0, np.int32) for m in maps]).astype(np.int32)
+        lut_off = np.concatenate([[0], np.cumsum([m.size if m is not None else 0 for m in maps])]).astype(np.int64)
+        nb = np.array([int(signed_rows[n][0].numel()) for n in c.names], np.int64)
+        n = _joint_kernel(x.view(np.int32), x, prev, c.offsets, np.array(rows, np.int64), np.array(lo, np.int64),
+                          lut, lut_off, nb, L, t.shift, t.key, t.bound, out)
+        parts.append(torch.from_numpy(out[:, :n].copy()))
+    if not parts:
+        return tuple(torch.zeros(0, dtype=torch.int64) for _ in range(4))
+    j = torch.cat(parts, 1)
+    return j[0], j[1], j[2], j[3]
+
+
+def _chunk_refs(c: Chunk, signed_rows, reference, index):
+    """Per segment of a chunk: packed previous codes (-1: none), row index, lowest ordinal, and the
+    ordinal -> bucket index map of its row."""
+    prev = np.full(c.x.numel(), -1, dtype=np.int32)
+    rows, lo, maps, any_ref = [], [], [], False
+    for i, n in enumerate(c.names):
+        ords = signed_rows[n][0]
+        ref = reference.get(n) if reference else None
+        seg = c.seg(i)
+        if ref is not None and ref.codes.numel() == seg.stop - seg.start and ords.numel():
+            prev[seg] = ref.codes.reshape(-1).numpy()
+            o0 = int(ords[0])
+            m = np.full(int(ords[-1]) - o0 + 1, -1, dtype=np.int32)
+            m[(ords - o0).numpy()] = np.arange(ords.numel(), dtype=np.int32)
+            rows.append(index[n])
+            lo.append(o0)
+            maps.append(m)
+            any_ref = True
+        else:
+            rows.append(-1)
+            lo.append(0)
+            maps.append(None)
+    return (prev if any_ref else None), rows, lo, maps
+
+
+def joint_counts_reference(sk: Sketched, signed_rows: Mapping[str, tuple], reference: Mapping) -> tuple:
+    """``joint_counts`` in plain torch: ordinals -> bucket index by searchsorted, then one bincount."""
+    out = []
+    for r, n in enumerate(sk.order):
+        ref = reference.get(n) if reference else None
+        x = sk.specs[n][0].detach().reshape(-1)
+        ords = signed_rows[n][0]
+        if ref is None or ref.codes.numel() != x.numel() or not ords.numel():
+            continue
+        b = torch.searchsorted(ords, LogSketch(sk.alpha).ordinals(x.float()))
+        p = ref.codes.reshape(-1).long()
+        nb = ords.numel()
+        cnt = torch.bincount(p * nb + b)
+        cells = cnt.nonzero().squeeze(1)
+        out.append(torch.stack([torch.full_like(cells, r), cells // nb, cells % nb, cnt[cells]]))
+    if not out:
+        return tuple(torch.zeros(0, dtype=torch.int64) for _ in range(4))
+    j = torch.cat(out, 1)
+    return j[0], j[1], j[2], j[3]
+
+
+if HAVE_NUMBA:
+    @_numba.njit(cache=True, nogil=True)
+    def _joint_kernel(bits, x, prev, offsets, rows, lo, lut, lut_off, nb, L, shift, key, bound,
+                      out):  # pragma: no cover - compiled
+        """Dense (previous code, bucket) counts per segment with reference codes, then its non-zero
+        cells as (row, code, bucket, count) columns of ``out``. Returns the number written."""
+        n = 0
+        for s in range(offsets.shape[0] - 1):
+            if rows[s] < 0:
+                continue
+            B = nb[s]
+            d = np.zeros(L * B, dtype=np.int64)
+            m = lut[lut_off[s]:lut_off[s + 1]]
+            for i in range(offsets[s], offsets[s + 1]):
+                b = m[bucket_ordinal(bits[i], x[i], shift, key, bound) - lo[s]]
+                d[prev[i] * B + b] += 1
+            for j in range(L * B):
+                if d[j]:
+                    out[0, n] = rows[s]
+                    out[1, n] = j // B
+                    out[2, n] = j % B
+                    out[3, n] = d[j]
+                    n += 1
+        return n
+else:  # pragma: no cover
+    _joint_kernel = None

@@ -1,0 +1,62 @@
+"""Async saves keep the config search (asyncsearch.py): the search runs on a background thread of
+the trainer, the agent encodes with its knobs; training is untouched (weights, RNG stream)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckptzip
+from ckptzip.chain import CheckpointChain
+from ckptzip.demo.workloads import digits_workload
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)  # conftest restores it
+
+
+def _run(w, url=None, steps=60, every=20, **kw):
+    """Train the digits workload; save every ``every`` steps when ``url`` is given."""
+    m, opt, sched = w.build(0)
+    torch.manual_seed(123)
+    ck = ckptzip.Compressor(m, opt, url, "dynaquant", eval_fn=w.eval_fn, threshold=0.05, async_save=True,
+                            **kw) if url is not None else None
+    handles, noise = [], []
+    try:
+        for step in range(1, steps + 1):
+            w.train_step(m, opt, sched, step)
+            noise.append(torch.rand(1))  # the training loop's own global-RNG stream
+            if ck is not None and step % every == 0:
+                handles.append(ck.save(step))
+        if ck is not None:
+            ck.wait()
+    finally:
+        if ck is not None:
+            ck.close()
+    return m, torch.cat(noise), handles
+
+
+def test_async_saves_search_in_the_background(tmp_path):
+    w = digits_workload(total_steps=60, ckpt_every=20, hidden=64)
+    url = tmp_path / "c"
+    m, noise, handles = _run(w, url)
+    ref_m, ref_noise, _ = _run(w)
+    # the search never touched the live model, its RNG stream or its optimizer
+    assert torch.equal(noise, ref_noise)
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref_m.state_dict().values()))
+    entries = CheckpointChain(url).entries()
+    assert [e.step for e in entries] == [20, 40, 60] and all(h.done() for h in handles)
+    kinds = [e.summary["search"] for e in entries]
+    assert kinds[0] == "exhaustive" and set(kinds[1:]) <= {"neighbourhood", "fallback"}
+    assert all(e.summary["evals"] >= 1 for e in entries)
+    # the agent encoded with the knobs the search chose, and they meet the quality threshold
+    for e in entries:
+        s = e.summary
+        restored, _, _ = w.build(0)
+        restored.load_state_dict(CheckpointChain(url).load(e.step)["model"])
+        d = (w.eval_fn(restored) - s["baseline"]) / s["baseline"]
+        assert d == pytest.approx(s["degradation"], abs=1e-6) and (d <= 0.05 or s["infeasible"])
+    # the search state reached the files: a restarted writer resumes the steady-state search
+    chain = CheckpointChain(url, "dynaquant")
+    chain.restore()
+    assert chain.method.search_state["checkpoints"] == 3
