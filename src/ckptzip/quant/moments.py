@@ -185,7 +185,7 @@ def quantize_m(m: torch.Tensor, D: torch.Tensor | None, *, bits: int = 1, group:
     levels = levels_table(bits, prune).to(u.device)
     cut = None
     if prune > 0 and n:
-        cut = torch.quantile(u.abs()[:: max(1, n // 65536)], prune)  # a strided sample suffices
+        cut = _quantile(u.abs()[:: max(1, n // 65536)], prune)  # a strided sample suffices
     if bits == 1:  # sign: the L2-optimal scale of a group is the mean |u| of what it keeps
         keep = ug.abs() > cut if cut is not None else torch.ones_like(ug, dtype=torch.bool)
         s = (ug.abs() * keep).sum(1) / keep.sum(1).clamp_min(1)
@@ -207,6 +207,17 @@ def quantize_m(m: torch.Tensor, D: torch.Tensor | None, *, bits: int = 1, group:
             "normalized": D is not None}
     return QuantizedTensor(codes=codes, n_levels=int(levels.numel()), codebook=levels, shape=tuple(m.shape),
                            dtype=dtype_name(m.dtype), side={"scale": s}, meta=meta)
+
+
+def _quantile(x: torch.Tensor, q: float) -> torch.Tensor:
+    """torch.quantile(x, q) (linear interpolation) by two selections instead of a full sort (3-5x
+    faster on the 64K-sample; it was a third of the grid codec's encode time)."""
+    pos = q * (x.numel() - 1)
+    lo = math.floor(pos)
+    a = torch.kthvalue(x, lo + 1).values
+    if pos == lo:
+        return a
+    return torch.lerp(a, torch.kthvalue(x, lo + 2).values, pos - lo)
 
 
 def dequantize_m(q: QuantizedTensor, D: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
