@@ -49,6 +49,7 @@ def test_async_saves_search_in_the_background(tmp_path):
     kinds = [e.summary["search"] for e in entries]
     assert kinds[0] == "exhaustive" and set(kinds[1:]) <= {"neighbourhood", "fallback"}
     assert all(e.summary["evals"] >= 1 for e in entries)
+    assert all(e.summary["search_s"] > 0 for e in entries)  # the trainer's search time, not the agent's 0
     # the agent encoded with the knobs the search chose, and they meet the quality threshold
     for e in entries:
         s = e.summary

@@ -54,3 +54,24 @@ def test_trainer_saves_into_chain_and_resumes(tmp_path, monkeypatch):
     assert t2.state.global_step == 6
     for k, v in final.items():
         torch.testing.assert_close(t2.model.state_dict()[k], v, rtol=0, atol=1e-6, msg=k)
+
+
+def test_resume_from_an_older_step_refuses_or_truncates(tmp_path, monkeypatch):
+    """A second trajectory never lands silently beside the first: an error by default, the chain
+    continued from the resumed step with rewind='truncate'."""
+    from ckptzip.errors import StepOrderError
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    make_trainer(tmp_path / "run", 6, [CkptzipCallback(tmp_path / "chain", delete_folders=True)]).train()
+    folder = restore_checkpoint(tmp_path / "chain", step=2, out_dir=tmp_path / "resume")
+    t = make_trainer(tmp_path / "run2", 6, [CkptzipCallback(tmp_path / "chain")])
+    with pytest.raises(StepOrderError, match="rewind='truncate'"):
+        t.train(resume_from_checkpoint=folder)
+    assert CheckpointChain(tmp_path / "chain").steps() == [2, 4, 6]  # nothing dropped
+    t = make_trainer(tmp_path / "run3", 6, [CkptzipCallback(tmp_path / "chain", rewind="truncate")])
+    t.train(resume_from_checkpoint=folder)
+    chain = CheckpointChain(tmp_path / "chain")
+    assert chain.steps() == [2, 4, 6]
+    restored, live = chain.restore(6).state["model"], t.model.state_dict()
+    assert restored
+    for k, v in restored.items():  # the continued chain restores (lm_head is tied to wte: not stored)
+        torch.testing.assert_close(v, live[k], rtol=0, atol=0, msg=k)

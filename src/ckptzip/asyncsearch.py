@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -144,7 +145,10 @@ class SearchingSaver:
     def _search_and_stage(self, job: _Job) -> None:
         ctx = EncodeContext(step=job.step, model=self._scratch, eval_fn=self.eval_fn, threshold=self.threshold,
                             higher_is_better=self.higher_is_better, gradients=job.gradients)
+        t0 = time.perf_counter()
         knobs, info = self.method.choose_knobs(job.flat, self._reference, ctx)
+        # the search's seconds in the file's summary, as a synchronous save records them
+        info = {**info, "search_s": round(time.perf_counter() - t0, 3)}
         # what the next search estimates deltas against: this checkpoint's codes under the chosen knobs
         self._reference = self.method.search_reference(job.flat, knobs, job.gradients, job.step)
         search = {"knobs": knobs, "info": info, "state": self.method.search_state}

@@ -23,7 +23,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from ..api import ARGS, checkpoint_budget
 from ..chain import CheckpointChain, KeyframePolicy, RetentionPolicy
 from ..configcheck import Range, check_arg, check_args
-from ..errors import ConfigError
+from ..errors import StepOrderError
 from ..ingest import lightning as layout
 from ..methods.base import EncodeContext, get_method
 from ..sensitivity import GradientRecorder, should_arm
@@ -64,7 +64,7 @@ class CompressedCheckpointIO(CheckpointIO):
                                 higher_is_better=self.higher_is_better, gradients=self.gradients)
             chain.save(layout.normalise(checkpoint, path.name), step, model=self.model, ctx=ctx)
         elif step not in steps:
-            raise ConfigError(f"Lightning saved step {step}, older than the chain's latest {steps[-1]} in "
+            raise StepOrderError(f"Lightning saved step {step}, older than the chain's latest {steps[-1]} in "
                               f"{chain.url}; use a fresh checkpoint folder for a new run")
         # else: same step saved under another name (e.g. last.ckpt): only the pointer is new
         layout.write_pointer(path, CHAIN_DIR, step)

@@ -200,8 +200,9 @@ class QuantizingMethod(Method):
                 meta = {k: v for k, v in q.meta.items() if k in qrecord.RECORD_META}
                 codes_w[name] = qrecord.store(enc, name, q, p, method=stage, coder=cfg.codes.coder,
                                               rearrange=cfg.codes.rearrange, rle=cfg.codes.rle, meta=meta)
-        enc.meta["summary"] = {**{k: getattr(qcfg, k) for k in self._knob_names()}, **search_info,
-                               "search_s": round(search_s, 3)}
+        # an async save's search ran in the trainer (asyncsearch.py): its info carries its own search_s
+        enc.meta["summary"] = {**{k: getattr(qcfg, k) for k in self._knob_names()}, "search_s": round(search_s, 3),
+                               **search_info}
         if self.search_state is not None:
             enc.meta["search_state"] = self.search_state  # read back by resume() after a restart
         return enc, self._reference(ctx.step, codes_w, codes_m)
