@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -106,3 +107,12 @@ def test_varints_vectorized_match_scalar():
         E.ByteReader(packed[:-1], "test").varints(len(vals))
     with pytest.raises(CorruptCheckpointError):
         E.ByteReader(b"\x80" * 11, "test").varint()
+
+
+def test_stream_under_the_naive_size_bound_decodes():
+    """A real 8192-symbol sign stream (an Adam exp_avg's 1-bit direction codes) that constriction
+    stores in 96 bits fewer than n * -log2(max p): the decoder's size guard must allow for the
+    bits the coder's state carries."""
+    bits = np.unpackbits(np.frombuffer((Path(__file__).parent / "data" / "ans_sign_stream.bin").read_bytes(),
+                                       dtype=np.uint8)).astype(np.int64)
+    assert np.array_equal(ans_decode(ans_encode(bits)), bits)

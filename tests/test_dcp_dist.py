@@ -120,11 +120,11 @@ def test_dynaquant_shards_share_single_process_thresholds_and_codebooks(saved4, 
     dcp.save(full, storage_writer=CompressedWriter(one, step=3, method="dynaquant", config=config))
     single, _, _ = _quantized_records(one, 3, 1)
     shared = set(sharded) & set(single)
-    assert len(shared) >= 20
+    assert len(shared) >= 9  # the weights (moments are grid records: a fixed grid, no thresholds to share)
     for name in shared:  # every shard: the whole tensor's prune threshold and codebook
         assert {s for s in sharded[name]} == {single[name][0]}, name
     # tensors a single process quantizes but 4 ranks keep exact: shards below min_numel (documented)
-    min_numel = max(config["quantizer"]["min_numel"], config["moments"]["min_numel"])
+    min_numel = config["quantizer"]["min_numel"]
     for name in set(single) - set(sharded):
         assert shard_numel[name] < min_numel, name
     summary = Root(args["dynaquant"]).read_metadata(3)["ranks"][0]["summary"]

@@ -24,13 +24,15 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "FORMAT.md"
 
 _EXACT = ["exact/1, bytegroup/1", "exact/1, raw/1"]
 _EXCP_CODES = ["excp-codes/2, {ans|huffman}/1", "excp-codes/2, bitpack/1, {xz|zstd-frame}/1"]
+_GRID = ["moment-grid/1, cyclic-delta/1?, ans/1", "moment-direction/1, ans/1?"]  # M.10
+_GRID_KEYFRAMES = ["moment-grid/1, ans/1", "moment-direction/1, ans/1?"]
 DOCUMENTED: dict[str, list[str]] = {
     "lossless": ["lossless/1, bytegroup/1", "lossless/1, xor/1, bytegroup/1"],
     "dynaquant": _EXACT + ["dynaquant/1, rle/1?, {huffman|ans|zstd-ints}/1",
-                           "dynaquant/1, cyclic-delta/1, rearrange/1?, rle/1?, {huffman|ans|zstd-ints}/1"],
-    "qd": _EXACT + ["qd/1, huffman/1", "qd/1, cyclic-delta/1, huffman/1"],
-    "cnr": _EXACT + ["cnr/1, huffman/1"],
-    "gobo": _EXACT + ["gobo/1, huffman/1"],
+                           "dynaquant/1, cyclic-delta/1, rearrange/1?, rle/1?, {huffman|ans|zstd-ints}/1"] + _GRID,
+    "qd": _EXACT + ["qd/1, huffman/1", "qd/1, cyclic-delta/1, huffman/1"] + _GRID,
+    "cnr": _EXACT + ["cnr/1, huffman/1"] + _GRID_KEYFRAMES,
+    "gobo": _EXACT + ["gobo/1, huffman/1"] + _GRID_KEYFRAMES,
     "bitsnap": _EXACT + ["bitsnap/1, bitmask/1", "bitsnap/1, bitmask/1, bytegroup/1",
                          "bitsnap/1, bitmask/1, zstd-frame/1", "bitsnap/1, cluster8/1",
                          "bitsnap/1, cluster8/1, zero-if/1"],
@@ -44,7 +46,7 @@ DOCUMENTED: dict[str, list[str]] = {
 # the same table for the files ckptzip 0.1 wrote (FORMAT.md "Pipelines of files written by ckptzip 0.1")
 _V1_CODERS = "{ans|huffman|xz|zstd}/1"
 DOCUMENTED_V01: dict[str, list[str]] = {
-    **{m: DOCUMENTED[m] for m in ("lossless", "qd", "cnr", "gobo")},
+    **{m: [p for p in DOCUMENTED[m] if not p.startswith("moment-")] for m in ("lossless", "qd", "cnr", "gobo")},
     "dynaquant": _EXACT + ["dynaquant/1, rle/1?, {huffman|ans|zstd}/1",
                            "dynaquant/1, cyclic-delta/1, rearrange/1?, rle/1?, {huffman|ans|zstd}/1"],
     "bitsnap": _EXACT + ["bitsnap/1, bitmask/1", "bitsnap/1, bitmask/1, bytegroup/1", "bitsnap/1, bitmask/1, zstd/1",
@@ -98,6 +100,8 @@ def expected_parts(record: dict) -> set[str]:
         return {"data"}
     if pipe[0] in QUANTIZED:
         return {"codes", "codebook"} | {f"side.{k}" for k in meta["side"]}
+    if pipe[0] in ("moment-grid/1", "moment-direction/1"):  # M.10: the M.2 parts packed in one blob
+        return set() if meta.get("zero") else {"data"}
     if pipe[:2] == ["bitsnap/1", "cluster8/1"]:
         return {"labels", "values", "scale", "min"}
     if pipe[:2] == ["bitsnap/1", "bitmask/1"]:

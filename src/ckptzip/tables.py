@@ -94,7 +94,20 @@ def checkpoint_table(e, manifest: dict, rows: list[dict], where: str) -> Table:
                   "x".join(map(str, r["shape"])) or "scalar", str(r["stored_bytes"]), " | ".join(r["pipeline"]))
     t.caption = f"{len(rows)} tensors, {size(e.raw_bytes)} -> {size(e.nbytes)} ({ratio(e.raw_bytes, e.nbytes)}) " \
                 "including the manifest"
+    kept = exact_optimizer_state(rows)
+    if kept:
+        t.caption += f"\noptimizer state stored exact: {kept}"
     return t
+
+
+def exact_optimizer_state(rows: list[dict]) -> str:
+    """Optimizer-state records (step counts aside) a method kept exact, counted by role: states no
+    moment codec knows (Adagrad's sum, AMSGrad's max_exp_avg_sq, ...) and tensors too small to code."""
+    roles: dict[str, int] = {}
+    for r in rows:
+        if r["name"].startswith("optimizer/state/") and r["role"] != "step" and (r["pipeline"] or [""])[0] == "exact/1":
+            roles[str(r["role"])] = roles.get(str(r["role"]), 0) + 1
+    return ", ".join(f"{role} x{n}" for role, n in sorted(roles.items()))
 
 
 def dcp_steps_table(rows: list[dict], title: str) -> Table:

@@ -111,6 +111,11 @@ QD = _stage("qd/1", "a QD (uniform, entropy-chosen bins) quantized record")
 CNR = _stage("cnr/1", "a Check-N-Run (greedy clipping) quantized record")
 GOBO = _stage("gobo/1", "a GOBO (outliers + k-means) quantized record")
 QUANTIZED_RECORD = {"dynaquant": DYNAQUANT, "qd": QD, "cnr": CNR, "gobo": GOBO}  # method name -> its marker
+MOMENT_GRID = _stage("moment-grid/1", "an Adam exp_avg_sq as levels of its update denominator on a fixed log grid "
+                     "(codes, no codebook, side.row/col when factored): methods/moments.py")
+MOMENT_DIRECTION = _stage("moment-direction/1", "an Adam exp_avg as its direction m / D (or an SGD momentum "
+                          "buffer) at 1-3 bits: codes, codebook, side.scale; no blobs when meta.zero: "
+                          "methods/moments.py")
 CYCLIC_DELTA = _stage("cyclic-delta/1", "codes as (parent codes - codes) mod B: codec/delta.py")
 REARRANGE = _stage("rearrange/1", "deltas grouped by the parent's code (Algorithm 5): codec/delta.py")
 RLE = _stage("rle/1", "run-length stream (-value, length if >= 2): codec/rle.py")

@@ -91,8 +91,8 @@ def run(wl: Workload, method: str | None, *, failures: int = 10, threshold: floa
         if method is None:
             return None
         th = wl.threshold if wl.threshold is not None else threshold
-        return Compressor(m, o, url, method, config=method_config, threshold=th, eval_fn=wl.eval_fn,
-                          scheduler=s, save_every=wl.ckpt_every, async_save=async_save)
+        return Compressor(m, o, url, method, config=method_config, threshold=th, restores=failures,
+                          eval_fn=wl.eval_fn, scheduler=s, save_every=wl.ckpt_every, async_save=async_save)
 
     ck = compressor(model, opt, sched)
     fail_at = set(failure_steps(wl, failures)) if method is not None else set()

@@ -26,7 +26,7 @@ import shutil
 
 from transformers import TrainerCallback
 
-from ..api import ARGS
+from ..api import ARGS, checkpoint_budget
 from ..chain import CheckpointChain, KeyframePolicy, RetentionPolicy
 from ..configcheck import OneOf, check_arg, check_args
 from ..errors import StepOrderError
@@ -38,15 +38,16 @@ class CkptzipCallback(TrainerCallback):
     def __init__(self, chain_url, method: str = "lossless", config=None, *, delete_folders: bool = False,
                  threshold: float = 0.01, eval_fn=None, higher_is_better: bool = False,
                  keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
-                 rewind: str = "error"):
+                 rewind: str = "error", restores: int = 10):
         check_args("CkptzipCallback", ARGS, threshold=threshold, eval_fn=eval_fn, higher_is_better=higher_is_better,
-                   keyframe=keyframe, retention=retention)
+                   keyframe=keyframe, retention=retention, restores=restores)
         check_arg("CkptzipCallback delete_folders", delete_folders, bool)
         check_arg("CkptzipCallback rewind", rewind, str, OneOf(("error", "truncate")))
         self.rewind = rewind
         self.chain = CheckpointChain(chain_url, method, config, keyframe=keyframe, retention=retention)
         self.delete_folders = delete_folders
         self.threshold, self.eval_fn, self.higher_is_better = threshold, eval_fn, higher_is_better
+        self.budget = checkpoint_budget(threshold, restores)  # api.Compressor explains
         self.saved: list[int] = []
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -70,7 +71,7 @@ class CkptzipCallback(TrainerCallback):
                                  "(a run resumed from an earlier step); pass rewind='truncate' to continue the "
                                  "chain from the resumed step, or use a new chain")
         st = LAYOUTS[TRAINER_LAYOUT].load(folder, step)
-        ctx = EncodeContext(step=step, model=model, eval_fn=self.eval_fn, threshold=self.threshold,
+        ctx = EncodeContext(step=step, model=model, eval_fn=self.eval_fn, threshold=self.budget,
                             higher_is_better=self.higher_is_better)
         self.chain.save(st, step, model=model, ctx=ctx)
         self.saved.append(step)

@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from ..api import ARGS
+from ..api import ARGS, checkpoint_budget
 from ..chain import CheckpointChain, KeyframePolicy, RetentionPolicy
 from ..configcheck import Range, check_arg, check_args
 from ..errors import StepOrderError
@@ -34,12 +34,13 @@ CHAIN_DIR = "ckptzip-chain"
 class CompressedCheckpointIO(CheckpointIO):
     def __init__(self, method: str = "lossless", config=None, *, threshold: float = 0.01, eval_fn=None,
                  higher_is_better: bool = False, keyframe: KeyframePolicy | None = None,
-                 retention: RetentionPolicy | None = None):
+                 retention: RetentionPolicy | None = None, restores: int = 10):
         check_args("CompressedCheckpointIO", ARGS, threshold=threshold, eval_fn=eval_fn,
-                   higher_is_better=higher_is_better, keyframe=keyframe, retention=retention)
+                   higher_is_better=higher_is_better, keyframe=keyframe, retention=retention, restores=restores)
         get_method(method, config).close()  # a bad method or config is refused now, not at the first save
         self.method, self.config = method, config
         self.threshold, self.eval_fn, self.higher_is_better = threshold, eval_fn, higher_is_better
+        self.budget = checkpoint_budget(threshold, restores)  # api.Compressor explains
         self.keyframe, self.retention = keyframe, retention
         self._chains: dict[str, CheckpointChain] = {}
         self.model = None          # set by SensitivityCallback (for config searches and sensitivity)
@@ -59,7 +60,7 @@ class CompressedCheckpointIO(CheckpointIO):
         step = int(checkpoint.get("global_step", 0))
         steps = chain.steps()
         if not steps or step > steps[-1]:
-            ctx = EncodeContext(step=step, model=self.model, eval_fn=self.eval_fn, threshold=self.threshold,
+            ctx = EncodeContext(step=step, model=self.model, eval_fn=self.eval_fn, threshold=self.budget,
                                 higher_is_better=self.higher_is_better, gradients=self.gradients)
             chain.save(layout.normalise(checkpoint, path.name), step, model=self.model, ctx=ctx)
         elif step not in steps:

@@ -1,54 +1,83 @@
-"""Optimizer moments in the quantizing methods (dynaquant, qd, cnr, gobo): one recipe for all four.
+"""Optimizer moments in the quantizing methods (dynaquant, qd, cnr, gobo): one codec for all four.
 
-Codec ``"normalized"`` (v0.1's recipe, the default): per parameter (``FlatState.params()``),
-v = exp_avg_sq is quantized in the log domain (k-means on the log-sketch histogram, never pruned);
-Adam's m = exp_avg is divided by the denominator sqrt(v_hat) + eps of the *decoded* v before it is
-quantized, and the decoder multiplies it back, so the restored update direction carries only m's
-own error (quant/dynaquant.py measures why); SGD momentum is quantized as it is. Tensors that are
-small, non-finite or of a norm/bias layer stay exact. Codec ``"exact"`` keeps every moment exact.
+Codecs (``MomentConfig.codec``), each measured in docs/BENCHMARKS.md ("Optimizer state"):
+
+- ``"grid"`` (the default): quant/moments.py. Adam's v as its update denominator on a fixed log
+  grid (levels shared by every checkpoint, so v's codes are cyclic deltas against the parent's
+  levels; a keyframe may code them as residuals of row + column effects), Adam's m as the
+  direction m / D at ``grid.m_bits`` bits with a bf16 scale per group, SGD momentum the same way
+  without D. Records below.
+- ``"normalized"`` (v0.1's recipe, readable in every file 0.1 wrote): v quantized in the log domain
+  by k-means, m divided by the *decoded* v's denominator before k-means and multiplied back by the
+  decoder, SGD momentum as it is (quant/dynaquant.py); records are the method's M.2 records.
+- ``"exact"``: every moment exact.
+
+Every codec keeps exact what it does not know: the state of a parameter that is neither Adam-family
+(exp_avg and exp_avg_sq, betas, eps, a step >= 1) nor SGD (a momentum_buffer and ``momentum`` in
+its param group) -- Adagrad's sum, AMSGrad's max_exp_avg_sq, Lion's exp_avg, ... -- and tensors that
+are small (``grid.min_numel``; normalized: ``min_numel`` and no norm / bias layers), not float or
+not finite. ``ckptzip inspect`` lists what was kept exact. The grid codec codes the moments of
+biases and norms too: kept exact they cost a GPT-2 chain a fifth of its moment bytes.
+
+Grid records (pipelines ``moment-grid/1, [cyclic-delta/1,] ans/1`` and ``moment-direction/1[, ans/1]``,
+layout of methods/qrecord.py):
+
+- v: codes = absolute grid levels c (D = eps * 2**(c * step)), or zigzag residuals c - row_i - col_j
+  with int16 ``side.row`` / ``side.col`` (meta ``factored``); no codebook (meta ``codebook: false``);
+  meta ``step`` (log2 units per level) and ``adam`` = {step, beta1, beta2, eps}.
+- m: codes into the level table (codebook), ``side.scale`` bf16 per ``group`` elements; meta
+  ``bits``, ``group``, ``prune``, ``normalized`` and ``v`` (the v record whose D multiplies it);
+  ``zero: true`` and no blobs when m is not stored (``m_bits=0``). SGD momentum: ``normalized`` false.
 
 Call order (methods/quantizing.py)::
 
-    quantized = quantize_moments(state, config)                  # record -> QuantizedTensor
-    ... the template stores them (qrecord.store, a cyclic delta against ``prev.codes`` if config.delta)
-    ref = MomentReference(codes) if config.delta else None        # what the next save deltas against
+    plan = plan_moments(state, config, prev, marker=..., codes=...)  # record -> MomentItem
+    codes_m[name] = store_moment(enc, name, plan[name])               # in record order
+    ref = MomentReference(codes_m) if config.deltas(...) else None    # what the next save deltas against
     ...
-    ref = decode_moments(encoded, records, prev, out, config)    # fills out[name] for every moment record
-
-Record meta of a normalized exp_avg: ``adam`` = {"v": record of v, "step", "beta1", "beta2", "eps"}:
-the decoder rebuilds m from the decoded v with these, so a file decodes without the skeleton.
+    ref = decode_moments(encoded, records, prev, out, deltas)         # v records first, then m
 """
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..codec import stages as S
+from ..configcheck import OneOf, Range, check_fields
 from ..errors import ConfigError, CorruptCheckpointError
 from ..quant import dynaquant as dq
-from ..quant.base import MIN_NUMEL, QuantizedTensor
-from ..state import FlatState, TensorRecord
+from ..quant import moments as M
+from ..quant.base import MIN_NUMEL, MIN_NUMEL_RANGE, QuantizedTensor
+from ..state import FlatState, ParamView, TensorRecord
+from ..tensorbytes import torch_dtype
 from . import qrecord
 from .base import Encoded
 
-MOMENT_CODECS = ("normalized", "exact")
+MOMENT_CODECS = ("grid", "normalized", "exact")
 _QUANTIZED_ROLES = ("exp_avg_sq", "exp_avg", "momentum_buffer")  # v first: m is normalized by the decoded v
+_GRID_CODER = ("ans", False, False)  # measured: ANS on the plain delta beats RLE + Huffman on v's codes
 
 
 @dataclass(frozen=True)
 class MomentConfig:
-    codec: str = "normalized"        # see the module docstring; "exact": moments stored losslessly
-    bins: int = 16                   # k-means levels per moment tensor
-    delta: bool = False              # cyclic code deltas against the previous save (moments change wholesale)
-    protect_fraction: float = 0.005  # largest values kept in bf16, as for weights
-    alpha: float = 0.01              # LogSketch relative accuracy
-    min_numel: int = MIN_NUMEL       # smaller moment tensors stay exact
+    codec: str = "grid"              # see the module docstring; "exact": moments stored losslessly
+    grid: M.GridCodec = field(default_factory=M.GridCodec)  # codec "grid"
+    bins: int = 16                   # codec "normalized": k-means levels per moment tensor
+    delta: bool = False              # codec "normalized": cyclic code deltas against the previous save
+    protect_fraction: float = 0.005  # codec "normalized": largest values kept in bf16, as for weights
+    alpha: float = 0.01              # codec "normalized": LogSketch relative accuracy
+    min_numel: int = MIN_NUMEL       # codec "normalized": smaller moment tensors stay exact
 
     def __post_init__(self):
-        if self.codec not in MOMENT_CODECS:
-            raise ConfigError(f"MomentConfig.codec must be one of {MOMENT_CODECS}, got {self.codec!r}")
-        self.quantizer("exp_avg")  # validates bins, protect_fraction, alpha, min_numel
+        check_fields(self, codec=OneOf(MOMENT_CODECS), bins=Range(ge=1, le=65533),
+                     protect_fraction=Range(ge=0, lt=1), alpha=Range(gt=0, lt=1), min_numel=MIN_NUMEL_RANGE)
+
+    def deltas(self, weights_delta: bool) -> bool:
+        """Whether moment records are deltas against the previous save: grid's v levels in a method
+        whose weights delta (cnr and gobo files stay keyframes), normalized's codes with ``delta``."""
+        return (self.codec == "grid" and weights_delta) or (self.codec == "normalized" and self.delta)
 
     def quantizer(self, role: str) -> dq.DynaQuantConfig:
         """The DynaQuant quantizer config for one moment role (log domain for v, never pruned)."""
@@ -59,7 +88,7 @@ class MomentConfig:
 
 @dataclass(frozen=True)
 class MomentReference:
-    """The moment codes of the previous save (kept only when ``MomentConfig.delta``)."""
+    """The moment codes of the previous save (grid: v's absolute levels; normalized: with ``delta``)."""
 
     codes: Mapping[str, qrecord.Codes]
 
@@ -67,11 +96,95 @@ class MomentReference:
         return (c.codes for c in self.codes.values())
 
 
-def quantize_moments(state: FlatState, config: MomentConfig) -> dict[str, QuantizedTensor]:
-    """The moment records this codec quantizes (the rest of the optimizer state stays exact)."""
-    out: dict[str, QuantizedTensor] = {}
+@dataclass
+class MomentItem:
+    """One moment record to store: its quantized tensor and how the record holds it."""
+
+    q: QuantizedTensor | None             # None: a record without bytes (m not stored)
+    marker: str                           # the record's first stage
+    meta: dict
+    prev: qrecord.Codes | None = None     # the parent's codes a delta is taken against
+    coder: tuple[str, bool, bool] = _GRID_CODER
+    keep: bool = False                    # the stored codes go into the next reference
+    levels: qrecord.Codes | None = None   # ... or these (grid v: absolute levels, whatever was stored)
+    pack: bool = False                    # the parts in one blob (grid records: fewer header bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# encode
+
+def plan_moments(state: FlatState, config: MomentConfig, prev: MomentReference | None, *, marker: str,
+                 codes) -> dict[str, MomentItem]:
+    """The moment records this codec stores (the rest of the optimizer state stays exact).
+    ``marker``: the method's M.2 record stage (codec normalized); ``codes``: its CodesConfig."""
     if config.codec == "exact":
-        return out
+        return {}
+    if config.codec == "normalized":
+        return {name: MomentItem(q, marker, {k: v for k, v in q.meta.items() if k in qrecord.RECORD_META},
+                                 prev.codes.get(name) if prev is not None and config.delta else None,
+                                 (codes.coder, codes.rearrange, codes.rle), keep=config.delta)
+                for name, q in quantize_normalized(state, config).items()}
+    out = {}
+    for view in state.params().values():
+        n = config.grid.min_numel
+        if _codable(state, view, "exp_avg", n) and _codable(state, view, "exp_avg_sq", n) and view.adam \
+                and view.step >= 1 and state.records[view.moments["exp_avg"]].shape == \
+                state.records[view.moments["exp_avg_sq"]].shape:
+            out.update(_plan_adam(state, view, config.grid, prev))
+        elif set(view.moments) == {"momentum_buffer"} and view.hparams is not None \
+                and view.hparams.momentum is not None and _codable(state, view, "momentum_buffer", n):
+            name = view.moments["momentum_buffer"]
+            q = M.quantize_m(state.tensors[name], None, bits=config.grid.sgd_bits, group=config.grid.group)
+            out[name] = MomentItem(q, S.MOMENT_DIRECTION.descriptor, _direction_meta(q), pack=True)
+    return out
+
+
+def _codable(state: FlatState, view: ParamView, role: str, min_numel: int) -> bool:
+    name = view.moments.get(role)
+    if name is None:
+        return False
+    rec, t = state.records[name], state.tensors[name]
+    return rec.is_float and t.numel() >= min_numel and bool(torch.isfinite(t).all())
+
+
+def _plan_adam(state: FlatState, view: ParamView, grid: M.GridCodec, prev: MomentReference | None
+               ) -> dict[str, MomentItem]:
+    mname, vname = view.moments["exp_avg"], view.moments["exp_avg_sq"]
+    m, v = state.tensors[mname], state.tensors[vname]
+    (b1, b2), eps = view.hparams.betas, view.hparams.eps
+    hp = M.AdamHP(view.step, b1, b2, eps)
+    p = prev.codes.get(vname) if prev is not None else None
+    if p is not None and p.codes.numel() != v.numel():
+        p = None
+    qm, qv = M.encode_pair(m, v, hp, replace(grid, factored=grid.factored and p is None))  # residuals: keyframes
+    levels = M.decode_grid(qv)
+    n_levels = int(levels.max()) + 1 if levels.numel() else 1
+    adam = {"step": hp.step, "beta1": b1, "beta2": b2, "eps": eps}
+    return {vname: MomentItem(qv, S.MOMENT_GRID.descriptor, {"step": grid.v_step, "factored": qv.meta["factored"],
+                                                             "adam": adam}, p,
+                              levels=qrecord.Codes(qrecord.compact(levels, n_levels), n_levels), pack=True),
+            mname: MomentItem(None, S.MOMENT_DIRECTION.descriptor, {"zero": True, "v": vname}) if qm is None else
+            MomentItem(qm, S.MOMENT_DIRECTION.descriptor, {**_direction_meta(qm), "v": vname}, pack=True)}
+
+
+def _direction_meta(q: QuantizedTensor) -> dict:
+    return {k: q.meta[k] for k in ("bits", "group", "prune", "normalized")}
+
+
+def store_moment(enc: Encoded, name: str, item: MomentItem) -> qrecord.Codes | None:
+    """Add record ``name``; returns what the next save's delta of it is taken against (or None)."""
+    if item.q is None:
+        enc.add(name, [item.marker], item.meta)
+        return None
+    coder, rearrange, rle = item.coder
+    c = qrecord.store(enc, name, item.q, item.prev, method=item.marker, coder=coder, rearrange=rearrange, rle=rle,
+                      meta=item.meta, pack=item.pack)
+    return item.levels if item.levels is not None else c if item.keep else None
+
+
+def quantize_normalized(state: FlatState, config: MomentConfig) -> dict[str, QuantizedTensor]:
+    """Codec "normalized" (v0.1's recipe): the moment records it quantizes."""
+    out: dict[str, QuantizedTensor] = {}
     for view in state.params().values():
         for role in _QUANTIZED_ROLES:
             name = view.moments.get(role)
@@ -101,30 +214,99 @@ def quantize_moments(state: FlatState, config: MomentConfig) -> dict[str, Quanti
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# decode
+
 def decode_moments(encoded: Encoded, records: Mapping[str, TensorRecord], prev: MomentReference | None,
-                   out: dict[str, torch.Tensor], config: MomentConfig) -> MomentReference | None:
-    """Decode every quantized moment record into ``out`` (v before the m normalized by it)."""
-    codes, pending_m = {}, []
+                   out: dict[str, torch.Tensor], deltas: bool,
+                   weight_shapes: Mapping[str, tuple] | None = None) -> MomentReference | None:
+    """Decode every moment record of ``records`` into ``out``: v records first, then the m records
+    their denominators scale. ``deltas``: MomentConfig.deltas for this method (whether the next
+    file's moments are deltas against this one); ``weight_shapes``: parameter -> its weight's shape,
+    to refuse a moment record inconsistent with its weight."""
+    codes, grid_v, pending = {}, {}, []
     for name, rec in records.items():
-        meta = encoded.records[name]["meta"]
-        # a normalized exp_avg decodes to u in fp32 first, then m = u * denominator(v)
-        q = qrecord.load(encoded, name, rec.shape, "float32" if "adam" in meta else rec.dtype,
-                         prev.codes.get(name) if prev is not None else None)
-        try:
-            out[name] = dq.dequantize(q)
-        except ValueError as e:
-            raise CorruptCheckpointError(f"record {name!r}: {e}") from None
-        if "adam" in meta:
-            pending_m.append((name, rec, meta["adam"]))
-        codes[name] = qrecord.Codes(qrecord.compact(q.codes, q.n_levels), q.n_levels)
-    for name, rec, a in pending_m:
-        v = out.get(a.get("v")) if isinstance(a, dict) else None
-        if v is None or v.shape != out[name].shape:
-            raise CorruptCheckpointError(f"record {name!r} is normalized by {a.get('v') if isinstance(a, dict) else a!r}, "
-                                         "which the file lacks or which has another shape")
-        try:
-            out[name] = dq.denormalize_exp_avg(out[name], v, a["step"], (a["beta1"], a["beta2"]), a["eps"],
-                                               dtype=getattr(torch, rec.dtype))
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(f"record {name!r} has malformed Adam metadata ({e})") from None
-    return MomentReference(codes) if config.delta else None
+        shape = (weight_shapes or {}).get(rec.param)
+        if shape is not None and tuple(shape) != tuple(rec.shape):
+            raise CorruptCheckpointError(f"record {name!r} has shape {list(rec.shape)} but its weight "
+                                         f"{rec.param!r} has {list(shape)}: the file is inconsistent")
+        marker = encoded.records[name]["pipeline"][0]
+        parent = prev.codes.get(name) if prev is not None else None
+        if marker == S.MOMENT_GRID.descriptor:
+            out[name], grid_v[name], codes[name] = _load_v(encoded, name, rec, parent)
+        elif marker == S.MOMENT_DIRECTION.descriptor:
+            pending.append((name, rec))
+        else:  # codec "normalized": the method's M.2 record
+            meta = encoded.records[name]["meta"]
+            # a normalized exp_avg decodes to u in fp32 first, then m = u * denominator(v)
+            q = qrecord.load(encoded, name, rec.shape, "float32" if "adam" in meta else rec.dtype, parent)
+            try:
+                out[name] = dq.dequantize(q)
+            except ValueError as e:
+                raise CorruptCheckpointError(f"record {name!r}: {e}") from None
+            if "adam" in meta:
+                pending.append((name, rec))
+            if deltas:
+                codes[name] = qrecord.Codes(qrecord.compact(q.codes, q.n_levels), q.n_levels)
+    for name, rec in pending:
+        if encoded.records[name]["pipeline"][0] == S.MOMENT_DIRECTION.descriptor:
+            out[name] = _load_direction(encoded, name, rec, grid_v)
+        else:
+            out[name] = _denormalize(encoded, name, rec, out)
+    return MomentReference(codes) if deltas else None
+
+
+def _load_v(enc: Encoded, name: str, rec: TensorRecord, parent: qrecord.Codes | None):
+    """(v, (D_q, levels), levels as the next reference) of one grid record."""
+    meta = enc.records[name]["meta"]
+    try:
+        a = meta["adam"]
+        hp = M.AdamHP(float(a["step"]), float(a["beta1"]), float(a["beta2"]), float(a["eps"]))
+        step = float(meta["step"])
+    except (KeyError, TypeError, ValueError, ConfigError) as e:
+        raise CorruptCheckpointError(f"record {name!r} has malformed moment metadata ({e})") from None
+    q = qrecord.load(enc, name, rec.shape, rec.dtype, parent)
+    q.meta = {**q.meta, "step": step}
+    try:
+        levels = M.decode_grid(q)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"record {name!r}: {e}") from None
+    D = M.decode_denominator(q, hp, levels)
+    n_levels = int(levels.max()) + 1 if levels.numel() else 1
+    return (M.v_from_denominator(D, hp, rec.shape, torch_dtype(rec.dtype)), (D, levels),
+            qrecord.Codes(qrecord.compact(levels, n_levels), n_levels))
+
+
+def _load_direction(enc: Encoded, name: str, rec: TensorRecord, grid_v: dict) -> torch.Tensor:
+    meta = enc.records[name]["meta"]
+    dv = grid_v.get(meta.get("v")) if meta.get("v") is not None else None
+    if meta.get("v") is not None and dv is None:
+        raise CorruptCheckpointError(f"record {name!r} needs its exp_avg_sq record {meta.get('v')!r}, "
+                                     "which the file lacks")
+    if dv is not None and dv[0].numel() != rec.numel:
+        raise CorruptCheckpointError(f"record {name!r} has {rec.numel} elements but its exp_avg_sq "
+                                     f"{meta['v']!r} has {dv[0].numel()}")
+    if meta.get("zero"):
+        return torch.zeros(tuple(rec.shape), dtype=torch_dtype(rec.dtype))
+    q = qrecord.load(enc, name, rec.shape, rec.dtype, None)
+    try:
+        m = M.dequantize_m(q, dv[0] if dv is not None and meta.get("normalized") else None)
+    except (KeyError, ValueError) as e:
+        raise CorruptCheckpointError(f"record {name!r}: {e}") from None
+    if dv is not None:
+        m.reshape(-1)[dv[1] == 0] = 0  # the zero level of v: both moments were exactly zero
+    return m
+
+
+def _denormalize(enc: Encoded, name: str, rec: TensorRecord, out: dict) -> torch.Tensor:
+    """Codec normalized: m = u * denominator(v) with the decoded v."""
+    a = enc.records[name]["meta"]["adam"]
+    v = out.get(a.get("v")) if isinstance(a, dict) else None
+    if v is None or v.shape != out[name].shape:
+        raise CorruptCheckpointError(f"record {name!r} is normalized by {a.get('v') if isinstance(a, dict) else a!r}, "
+                                     "which the file lacks or which has another shape")
+    try:
+        return dq.denormalize_exp_avg(out[name], v, a["step"], (a["beta1"], a["beta2"]), a["eps"],
+                                      dtype=getattr(torch, rec.dtype))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"record {name!r} has malformed Adam metadata ({e})") from None

@@ -1,7 +1,8 @@
 """Storing one QuantizedTensor as a chain record (shared by every quantizing method).
 
 Blobs: ``codes`` (codec/entropy.encode_codes buffer: self-describing, optionally a cyclic delta
-against the previous checkpoint's codes), ``codebook`` (fp32, n_levels values, NaN allowed), and
+against the previous checkpoint's codes), ``codebook`` (fp32, n_levels values, NaN allowed; absent
+with meta ``codebook: false`` for a parametric grid), and
 one blob per side tensor ``side.<key>`` (raw little-endian bytes). Meta: ``n_levels``, ``delta``,
 ``side`` = {key: [dtype, shape]}, plus the quantizer's JSON facts.
 """
@@ -27,8 +28,10 @@ class Codes:
 
 
 def store(enc: Encoded, name: str, q: QuantizedTensor, prev: Codes | None, *, method: str, coder: str = "huffman",
-          rearrange: bool = True, rle: bool = True, meta: dict | None = None) -> Codes:
-    """Add record ``name`` holding ``q``; a cyclic delta against ``prev`` when given and same size."""
+          rearrange: bool = True, rle: bool = True, meta: dict | None = None, pack: bool = False) -> Codes:
+    """Add record ``name`` holding ``q``; a cyclic delta against ``prev`` when given and same size.
+    ``pack``: the parts in one blob ``data`` (meta ``parts`` = [[part, nbytes], ...]): every blob
+    costs a file ~100 bytes of header (offsets, SHA-256), which small tensors feel."""
     if prev is not None and prev.codes.numel() != q.numel:
         prev = None
     B = max(q.n_levels, prev.n_levels) if prev is not None else q.n_levels  # levels may change between saves
@@ -43,10 +46,21 @@ def store(enc: Encoded, name: str, q: QuantizedTensor, prev: Codes | None, *, me
     side = {k: v.detach().cpu().contiguous() for k, v in q.side.items()}
     rec_meta = {"n_levels": q.n_levels, "delta": prev is not None,
                 "side": {k: [dtype_name(v.dtype), list(v.shape)] for k, v in side.items()}, **(meta or {})}
-    enc.add(name, pipeline, rec_meta, codes=blob, codebook=tensor_to_bytes(q.codebook.float().cpu()),
-            **{f"side.{k}": tensor_to_bytes(v) for k, v in side.items()})
+    parts = {"codes": blob}
+    if q.codebook.numel():
+        parts["codebook"] = tensor_to_bytes(q.codebook.float().cpu())
+    else:  # a parametric grid (the moment codec): the levels are implied by the meta
+        rec_meta["codebook"] = False
+    parts.update({f"side.{k}": tensor_to_bytes(v) for k, v in side.items()})
+    if pack:
+        rec_meta["parts"] = [[k, len(v)] for k, v in parts.items()]
+        parts = {"data": b"".join(parts.values())}
+    enc.add(name, pipeline, rec_meta, **parts)
     return Codes(compact(q.codes, q.n_levels), q.n_levels)
 
+
+# quantizer facts worth keeping in a quantized record's meta (decoders read only ``adam`` and qrecord's own)
+RECORD_META = ("domain", "k", "n_pruned", "n_protected", "adam", "prune_threshold", "sensitivity_fallback")
 
 AUTO_RUNS_ABOVE = 0.8  # share of unchanged codes above which runs of zero deltas pay for RLE
 
@@ -76,8 +90,9 @@ def load(enc: Encoded, name: str, shape, dtype: str, prev: Codes | None) -> Quan
         raise CorruptCheckpointError(f"record {name!r} has malformed quantizer metadata") from None
     if meta.get("delta") and prev is None:
         raise CorruptCheckpointError(f"record {name!r} is a delta but its parent checkpoint has no codes for it")
+    part = _parts(enc, name, meta)
     try:
-        codes = decode_codes(enc.blob(name, "codes"), prev.codes.long() if meta.get("delta") else None)
+        codes = decode_codes(part("codes"), prev.codes.long() if meta.get("delta") else None)
     except ValueError as e:  # header and record disagree (delta flag, code count): a damaged file
         raise CorruptCheckpointError(f"record {name!r}: {e}") from None
     n = 1
@@ -85,10 +100,37 @@ def load(enc: Encoded, name: str, shape, dtype: str, prev: Codes | None) -> Quan
         n *= int(d)
     if codes.numel() != n:
         raise CorruptCheckpointError(f"record {name!r} holds {codes.numel()} codes for a tensor of {n} elements")
-    codebook = tensor_from_bytes(enc.blob(name, "codebook"), "float32", (n_levels,))
-    side = {k: tensor_from_bytes(enc.blob(name, f"side.{k}"), dt, tuple(shp)) for k, (dt, shp) in side_spec.items()}
+    blobs = {k: part(f"side.{k}") for k in side_spec}
+    book = None if meta.get("codebook") is False else part("codebook")
+    try:
+        codebook = torch.empty(0) if book is None else tensor_from_bytes(book, "float32", (n_levels,))
+        side = {k: tensor_from_bytes(blobs[k], dt, tuple(shp)) for k, (dt, shp) in side_spec.items()}
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"record {name!r}: {e}") from None
     return QuantizedTensor(codes=codes, n_levels=n_levels, codebook=codebook, shape=tuple(shape), dtype=dtype,
                            side=side, meta=meta)
+
+
+def _parts(enc: Encoded, name: str, meta: dict):
+    """part name -> its bytes: its own blob, or its span of the packed blob ``data`` (meta ``parts``)."""
+    if "parts" not in meta:
+        return lambda part: enc.blob(name, part)
+    data = memoryview(enc.blob(name, "data"))
+    spans, at = {}, 0
+    try:
+        for part, nbytes in meta["parts"]:
+            spans[str(part)] = (at, at + int(nbytes))
+            at += int(nbytes)
+    except (TypeError, ValueError):
+        raise CorruptCheckpointError(f"record {name!r} has malformed meta.parts") from None
+    if at != len(data):
+        raise CorruptCheckpointError(f"record {name!r}: its parts hold {at} bytes, its data blob {len(data)}")
+
+    def part(p: str) -> bytes:
+        if p not in spans:
+            raise CorruptCheckpointError(f"record {name!r} has no part {p!r}")
+        return bytes(data[spans[p][0]:spans[p][1]])
+    return part
 
 
 def compact(codes: torch.Tensor, n_levels: int) -> torch.Tensor:

@@ -182,23 +182,24 @@ class QuantizingMethod(Method):
             raise ConfigError(f"{self.name} was given a reference it did not make; pass the Reference its "
                               "encode/decode returned, or None for a keyframe")
         quantized = self._quantize(state, qcfg, ctx.gradients)
-        weights = set(quantized)
-        quantized.update(moments.quantize_moments(state, cfg.moments))
-        enc = Encoded(keyframe=prev is None or not (self.delta_weights or cfg.moments.delta))
+        enc = Encoded(keyframe=prev is None or not (self.delta_weights or self._moment_deltas))
         stage = S.QUANTIZED_RECORD[self.name].descriptor  # the qrecord layout, unchanged since v0.1
+        planned = moments.plan_moments(state, cfg.moments, None if enc.keyframe else prev.moments,
+                                       marker=stage, codes=cfg.codes)
         codes_w, codes_m = {}, {}
         for name, rec in state.records.items():
             q = quantized.get(name)
-            if q is None:
+            if name in planned:
+                c = moments.store_moment(enc, name, planned[name])
+                if c is not None:
+                    codes_m[name] = c
+            elif q is None:
                 encode_exact(enc, name, state.tensors[name])
-                continue
-            is_w = name in weights
-            p = None if enc.keyframe else (prev.weights.get(name) if is_w else
-                                           prev.moments.codes.get(name) if prev.moments is not None else None)
-            meta = {k: v for k, v in q.meta.items() if k in _RECORD_META}
-            c = qrecord.store(enc, name, q, p, method=stage, coder=cfg.codes.coder, rearrange=cfg.codes.rearrange,
-                              rle=cfg.codes.rle, meta=meta)
-            (codes_w if is_w else codes_m)[name] = c
+            else:
+                p = None if enc.keyframe else prev.weights.get(name)
+                meta = {k: v for k, v in q.meta.items() if k in qrecord.RECORD_META}
+                codes_w[name] = qrecord.store(enc, name, q, p, method=stage, coder=cfg.codes.coder,
+                                              rearrange=cfg.codes.rearrange, rle=cfg.codes.rle, meta=meta)
         # an async save's search ran in the trainer (asyncsearch.py): its info carries its own search_s
         enc.meta["summary"] = {**{k: getattr(qcfg, k) for k in self._knob_names()}, "search_s": round(search_s, 3),
                                **search_info}
@@ -223,23 +224,25 @@ class QuantizingMethod(Method):
                 except ValueError as e:
                     raise CorruptCheckpointError(f"record {name!r}: {e}") from None
                 codes_w[name] = qrecord.Codes(qrecord.compact(q.codes, q.n_levels), q.n_levels)
+        weight_shapes = {r.param: r.shape for r in records.values() if r.role == "weight" and r.param is not None}
         mref = moments.decode_moments(encoded, moment_records, prev.moments if prev else None, out,
-                                      self.config.moments)
+                                      self._moment_deltas, weight_shapes)
         ref = self._reference(ctx.step, codes_w, mref.codes if mref is not None else {})
         return {n: t.to(ctx.device) for n, t in out.items()}, ref
 
     def _reference(self, step: int, codes_w: dict, codes_m: dict) -> QuantizedReference:
         return QuantizedReference(step, codes_w if self.delta_weights else {},
-                                  moments.MomentReference(codes_m) if self.config.moments.delta else None)
+                                  moments.MomentReference(codes_m) if self._moment_deltas else None)
+
+    @property
+    def _moment_deltas(self) -> bool:
+        return self.config.moments.deltas(self.delta_weights)
 
     def _knob_names(self) -> tuple[str, ...]:
         """The quantizer knobs the search chooses (what ``ckptzip ls`` shows as the chosen config)."""
         space = self.space_cls()
         return ((space.group_knob,) if space.group_knob else ()) + tuple(a.knob for a in space.axes())
 
-
-# quantizer facts worth keeping in a quantized record's meta (decode reads only ``adam`` and qrecord's own)
-_RECORD_META = ("domain", "k", "n_pruned", "n_protected", "adam", "prune_threshold", "sensitivity_fallback")
 
 
 def upgrade_v1_config(d: dict) -> dict:

@@ -1,0 +1,132 @@
+"""methods/moments.py through real chains: the grid codec's records, deltas, unknown optimizer
+state kept exact, typed errors for inconsistent records."""
+import pytest
+import torch
+
+from ckptzip import CheckpointChain, KeyframePolicy
+from ckptzip.errors import CorruptCheckpointError
+from ckptzip.format import decode_container
+from ckptzip.methods.base import DecodeContext, get_method
+from ckptzip.quant import moments as M
+from ckptzip.state import flatten_state
+
+
+def _save_all(ch, model, opt, snaps):
+    return [ch.save({"model": s.model, "optimizer": s.optimizer}, s.step, model=model, optimizer=opt) for s in snaps]
+
+
+def test_grid_chain_decodes_as_the_quantizer_does(tmp_path, digits_snapshots):
+    torch.set_num_threads(1)
+    model, opt, snaps, _ = digits_snapshots
+    ch = CheckpointChain(tmp_path, "dynaquant", keyframe=KeyframePolicy(every=3))
+    entries = _save_all(ch, model, opt, snaps[:4])
+    assert [e.keyframe for e in entries] == [True, False, False, True]
+    for e, s in zip(entries, snaps):
+        man = decode_container(ch.storage.read(e.file)).manifest
+        v = man["records"]["optimizer/state/0/exp_avg_sq"]
+        # v: levels delta against the parent's in delta files, factored residuals in keyframes
+        assert v["pipeline"] == (["moment-grid/1", "ans/1"] if e.keyframe else
+                                 ["moment-grid/1", "cyclic-delta/1", "ans/1"])
+        assert v["meta"]["factored"] is e.keyframe
+        out = ch.load(s.step)["optimizer"]["state"][0]
+        st = s.optimizer["state"][0]
+        hp = M.AdamHP(float(st["step"]))
+        m_ref, v_ref = M.decode_pair(*M.encode_pair(st["exp_avg"], st["exp_avg_sq"], hp, M.GridCodec()), hp)
+        assert torch.equal(out["exp_avg_sq"], v_ref) and torch.equal(out["exp_avg"], m_ref)
+        assert torch.equal(out["step"], st["step"])
+    # deltas of v are smaller than its keyframe
+    assert entries[1].bytes_by_role["exp_avg_sq"][1] < entries[0].bytes_by_role["exp_avg_sq"][1]
+    assert ch.verify() == []
+
+
+def test_sgd_bf16_and_unknown_optimizer_state(tmp_path):
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    net[2].to(torch.bfloat16)
+    groups = [{"params": net[0].parameters()}, {"params": net[2].parameters()}]
+    opts = {"sgd": torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+            "adam-bf16": torch.optim.Adam(groups, lr=1e-3),
+            "amsgrad": torch.optim.Adam(net.parameters(), lr=1e-3, amsgrad=True),
+            "adagrad": torch.optim.Adagrad(net.parameters(), lr=1e-2)}
+    for kind, opt in opts.items():
+        x = torch.randn(32, 64)
+        for _ in range(3):
+            net[2](net[1](net[0](x)).bfloat16()).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        ch = CheckpointChain(tmp_path / kind, "dynaquant")
+        state = {"model": net.state_dict(), "optimizer": opt.state_dict()}
+        ch.save(state, 1, model=net, optimizer=opt)
+        out = ch.load()["optimizer"]["state"]
+        man = decode_container(ch.storage.read(ch.entry().file)).manifest["records"]
+        for i, st in opt.state_dict()["state"].items():
+            for key, t in st.items():
+                first = man[f"optimizer/state/{i}/{key}"]["pipeline"][0]
+                assert out[i][key].dtype == t.dtype, (kind, key)
+                if kind == "adagrad" or key in ("max_exp_avg_sq", "step") or t.numel() < 128:
+                    assert first == "exact/1" and torch.equal(out[i][key], t), (kind, key)  # never loses state
+                else:
+                    assert first.startswith("moment-"), (kind, key)
+        if kind in ("adagrad", "amsgrad"):  # `ckptzip inspect` lists what was kept exact
+            from ckptzip.tables import exact_optimizer_state, record_rows
+
+            listed = exact_optimizer_state(record_rows(decode_container(ch.storage.read(ch.entry().file)).manifest))
+            assert ("sum x4" if kind == "adagrad" else "max_exp_avg_sq x4") in listed
+        if kind == "sgd":
+            mb, ref = out[0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"]
+            assert float((mb - ref).norm() / ref.norm()) < 0.3  # 3 bits
+        if kind == "adam-bf16":
+            assert man["optimizer/state/2/exp_avg"]["pipeline"][0] == "moment-direction/1"  # a bf16 moment
+
+
+def _file(tmp_path, digits_snapshots, **config):
+    model, opt, snaps, _ = digits_snapshots
+    m = get_method("dynaquant", {"moments": config} if config else None)
+    flat = flatten_state({"model": snaps[-1].model, "optimizer": snaps[-1].optimizer}, model, opt)
+    from ckptzip.methods.base import EncodeContext
+
+    enc, _ = m.encode(flat, None, ctx=EncodeContext(step=1))
+    return m, flat, enc
+
+
+def test_inconsistent_or_corrupt_moment_records_are_named(tmp_path, digits_snapshots):
+    torch.set_num_threads(1)
+    m, flat, enc = _file(tmp_path, digits_snapshots)
+    ctx = DecodeContext(step=1)
+    recs = dict(flat.records)
+    name = "optimizer/state/0/exp_avg"
+    from dataclasses import replace
+
+    bad = {**recs, name: replace(recs[name], shape=(64, 256))}  # m's shape disagrees with its weight
+    with pytest.raises(CorruptCheckpointError, match=f"{name}.*its weight 'fc1.weight'"):
+        m.decode(bad, enc, None, ctx=ctx)
+    vname = "optimizer/state/0/exp_avg_sq"
+    meta = enc.records[vname]["meta"]
+    meta["adam"] = {"step": "x"}
+    with pytest.raises(CorruptCheckpointError, match=f"{vname}.*malformed moment metadata"):
+        m.decode(recs, enc, None, ctx=ctx)
+    m, flat, enc = _file(tmp_path, digits_snapshots)
+    enc.records[name]["meta"]["v"] = "optimizer/state/9/exp_avg_sq"
+    with pytest.raises(CorruptCheckpointError, match=f"{name}.*needs its exp_avg_sq"):
+        m.decode(recs, enc, None, ctx=ctx)
+    m, flat, enc = _file(tmp_path, digits_snapshots)
+    key = enc.records[name]["blobs"]["data"]  # the record's parts, packed
+    enc.blobs[key] = enc.blobs[key][:-2]
+    with pytest.raises(CorruptCheckpointError, match=f"{name}.*its data blob"):
+        m.decode(recs, enc, None, ctx=ctx)
+    m, flat, enc = _file(tmp_path, digits_snapshots)
+    parts = enc.records[name]["meta"]["parts"]
+    parts[-1][1] -= 2  # the scale part two bytes short, the codes part two bytes long
+    parts[0][1] += 2
+    with pytest.raises(CorruptCheckpointError, match=name):
+        m.decode(recs, enc, None, ctx=ctx)
+
+
+def test_m_not_stored(tmp_path, digits_snapshots):
+    torch.set_num_threads(1)
+    m, flat, enc = _file(tmp_path, digits_snapshots, grid={"m_bits": 0})
+    name = "optimizer/state/0/exp_avg"
+    assert enc.records[name]["pipeline"] == ["moment-direction/1"] and not enc.records[name]["blobs"]
+    out, _ = m.decode(flat.records, enc, None, ctx=DecodeContext(step=1))
+    assert not bool(out[name].any()) and bool(out["optimizer/state/0/exp_avg_sq"].any())

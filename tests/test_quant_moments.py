@@ -1,0 +1,77 @@
+"""quant/moments.py: v on a fixed log grid of Adam's denominator, m as a few-bit direction."""
+import pytest
+import torch
+
+from ckptzip.errors import ConfigError
+from ckptzip.quant import moments as M
+
+
+@pytest.fixture(scope="module")
+def adam_pair(digits_snapshots):
+    """(m, v, hp) of the digits MLP's 256x64 first layer at its last checkpoint (real Adam state)."""
+    _, _, snaps, _ = digits_snapshots
+    st = snaps[-1].optimizer["state"][0]
+    return st["exp_avg"], st["exp_avg_sq"], M.AdamHP(float(st["step"]))
+
+
+@pytest.mark.parametrize("step", [0.5, 1.0])
+@pytest.mark.parametrize("factored", [False, True])
+def test_grid_bounds_the_denominator(adam_pair, step, factored):
+    m, v, hp = adam_pair
+    q = M.quantize_v(v, hp, step=step, factored=factored, m=m)
+    assert q.meta["factored"] is factored and q.codebook.numel() == 0
+    D, D_q = M.denominator(v, hp), M.decode_denominator(q, hp)
+    ratio = torch.log2(D_q / D).abs()
+    assert float(ratio.max()) <= step / 2 + 1e-4  # within half a level, in log2 units
+    # factored codes are the same absolute levels, coded as residuals
+    assert torch.equal(M.decode_grid(q), M.grid_codes(v, hp, step, m))
+
+
+def test_grid_is_stable_and_never_zero_where_m_is_not(adam_pair):
+    m, v, hp = adam_pair
+    v = v.clone()
+    v.reshape(-1)[:10] = 0  # v == 0: zero level only where m is zero too
+    m = m.clone()
+    m.reshape(-1)[:5] = 0
+    c = M.grid_codes(v, hp, 1.0, m)
+    both = (v.reshape(-1) == 0) & (m.reshape(-1) == 0)
+    assert torch.equal(c == 0, both) and bool((c[5:10] >= 1).all())
+    v_q = M.v_from_denominator(M.decode_denominator(M.quantize_v(v, hp, step=1.0, m=m), hp), hp, v.shape)
+    assert bool((v_q.reshape(-1)[5:10] > 0).all()) and bool((v_q.reshape(-1)[:5] == 0).all())
+    # the grid is absolute: a 1 % drift of v keeps almost every code (what makes deltas cheap)
+    c2 = M.grid_codes(v * 1.01, hp, 1.0, m)
+    assert float((c2 == c).float().mean()) > 0.95
+
+
+@pytest.mark.parametrize("bits,prune", [(1, 0.0), (2, 0.0), (3, 0.0), (1, 0.5)])
+def test_direction_codes(adam_pair, bits, prune):
+    m, v, hp = adam_pair
+    D = M.denominator(v, hp)
+    q = M.quantize_m(m, D, bits=bits, group=100, prune=prune)  # 100 does not divide 16384: a short group
+    assert q.n_levels == 2 ** bits + (prune > 0) and q.side["scale"].dtype == torch.bfloat16
+    m_q = M.dequantize_m(q, D)
+    assert m_q.shape == m.shape and m_q.dtype == m.dtype
+    u, u_q = m.reshape(-1) / D, m_q.reshape(-1) / D
+    kept = (u_q != 0) & (u != 0)
+    assert bool((torch.sign(u_q[kept]) == torch.sign(u[kept])).all())
+    if prune:
+        assert abs(float((~kept).float().mean()) - prune) < 0.02
+    err = float((u_q - u).norm() / u.norm())
+    assert err < {1: 0.75, 2: 0.45, 3: 0.3}[bits]
+
+
+def test_pair_roundtrip_in_bf16_and_errors(adam_pair):
+    m, v, hp = adam_pair
+    qm, qv = M.encode_pair(m.bfloat16(), v.bfloat16(), hp, M.GridCodec(v_step=0.5, m_bits=3, prune=0.0))
+    m_q, v_q = M.decode_pair(qm, qv, hp)
+    assert m_q.dtype == v_q.dtype == torch.bfloat16
+    assert torch.equal(m_q == 0, (m == 0) & (v == 0))  # exact zeros stay zero, nothing else does
+    qm.side["scale"] = qm.side["scale"][:-1]
+    with pytest.raises(ValueError, match="scales"):
+        M.dequantize_m(qm, None)
+    with pytest.raises(ConfigError, match="m_bits"):
+        M.GridCodec(m_bits=4)
+    with pytest.raises(ConfigError, match="step"):
+        M.AdamHP(0)
+    none_m, _ = M.decode_pair(*M.encode_pair(m, v, hp, M.GridCodec(m_bits=0)), hp)
+    assert not bool(none_m.any())
