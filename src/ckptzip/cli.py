@@ -100,6 +100,17 @@ def _config(text: str | None) -> dict | None:
     return obj
 
 
+def _floats(text: str, option: str) -> tuple[float, ...]:
+    """A comma-separated list of thresholds in [0, 1), e.g. '0.01,0.05'."""
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or not all(0 <= v < 1 for v in values):
+        raise ConfigError(f"{option} {text!r} must be comma-separated thresholds in [0, 1), e.g. 0.01,0.05")
+    return values
+
+
 # ---------------------------------------------------------------------------------------------
 # commands
 
@@ -116,7 +127,8 @@ def compress(
     threshold: Annotated[Optional[float], typer.Option(
         help="relative quality budget per checkpoint for methods with a config search (needs --eval)")] = None,
     eval_spec: Annotated[Optional[str], typer.Option(
-        "--eval", help="module:function returning (model, eval_fn)")] = None,
+        "--eval", help="module:function returning (model, eval_fn); pretrained:HF_FOLDER judges a pretrained "
+                  "encoder's hidden states (pretrained-retrieval:HF_FOLDER, pretrained-probe:...: other checks)")] = None,
     higher_is_better: Annotated[bool, typer.Option(
         "--higher-is-better", help="eval_fn is a score, not a loss")] = False,
 ) -> None:
@@ -295,15 +307,21 @@ def demo(
     out: Annotated[str, typer.Option("--out", "-o", help="report folder")] = "demo-report",
     transfer: Annotated[bool, typer.Option("--transfer", help="transfer-learning study (MiniLM)")] = False,
     async_save: Annotated[bool, typer.Option("--async", help="save through the asynchronous engine")] = False,
-    transfer_space: Annotated[str, typer.Option("--transfer-space",
-                                                help="search space for --transfer: paper | finetune")] = "paper",
+    transfer_check: Annotated[Optional[str], typer.Option(
+        "--transfer-check", help="quality check for --transfer: states | probe | retrieval [default: states]")] = None,
+    transfer_space: Annotated[str, typer.Option(
+        "--transfer-space", help="search space for --transfer: pretrained | paper | finetune")] = "pretrained",
+    transfer_thresholds: Annotated[str, typer.Option(
+        "--transfer-thresholds", help="comma-separated thresholds for --transfer")] = "0.01,0.05",
+    seeds: Annotated[int, typer.Option("--seeds", min=1, help="fine-tuning seeds per row for --transfer")] = 1,
 ) -> None:
     """Fault-tolerant training on real workloads with compressed checkpoints (the main job)."""
     from .demo import run as demo_run
 
     with _bad_input():
         if transfer:
-            demo_run.transfer(out=out, space=transfer_space)
+            demo_run.transfer(out=out, thresholds=_floats(transfer_thresholds, "--transfer-thresholds"),
+                              check=transfer_check, space=transfer_space, seeds=tuple(range(seeds)))
             return
         demo_run.main(workloads=tuple(workload) or demo_run.DEFAULT_WORKLOADS,
                       methods=[m for m in methods.split(",") if m] or None, failures=failures, full=full,

@@ -27,30 +27,34 @@ def rows(results: list[RunResult]) -> list[list[str]]:
 
 
 def markdown_table(results: list[RunResult]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows(results)]
-    return "\n".join(lines)
+    return markdown(COLUMNS, rows(results))
+
+
+def markdown(columns, table_rows) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in table_rows])
 
 
 def print_table(results: list[RunResult], console) -> None:
-    """The results table: a Rich table on a terminal; the markdown table otherwise, written as is,
-    so a pipe or a log file keeps every column (Rich would crop or wrap it to 80 characters)."""
-    if console.is_terminal:
-        console.print(rich_table(results))
-    else:
-        console.file.write(markdown_table(results) + "\n")
+    print_rows((COLUMNS, rows(results)), console, "Fault-tolerant training with compressed checkpoints")
+
+
+def print_rows(table: tuple, console, title: str, left=("workload", "method", "weights")) -> None:
+    """``table`` = (columns, rows of strings): a Rich table on a terminal; the markdown table otherwise,
+    written as is, so a pipe or a log file keeps every column (Rich would crop or wrap it to 80 characters)."""
+    columns, table_rows = table
+    if not console.is_terminal:
+        console.file.write(markdown(columns, table_rows) + "\n")
         console.file.flush()
-
-
-def rich_table(results: list[RunResult]):
+        return
     from rich.table import Table
 
-    t = Table(title="Fault-tolerant training with compressed checkpoints")
-    for c in COLUMNS:
-        t.add_column(c, justify="left" if c in ("workload", "method") else "right")
-    for row in rows(results):
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c, justify="left" if c in left else "right")
+    for row in table_rows:
         t.add_row(*row)
-    return t
+    console.print(t)
 
 
 def write_report(results: list[RunResult], out: pathlib.Path, meta: dict) -> list[pathlib.Path]:

@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from ..methods.base import available_methods
 from . import workloads as W
 from .faults import run
-from .report import print_table, write_report
+from .report import print_rows, print_table, write_report
 
 DEFAULT_METHODS = ("lossless", "dynaquant", "excp-fixed", "bitsnap")
 DEFAULT_WORKLOADS = ("digits", "gpt2", "minilm")
@@ -83,12 +83,20 @@ def _quiet_frameworks() -> None:
         pass
 
 
-def transfer(out: str = "demo-report", thresholds=(0.01, 0.05), steps: int = 80, space: str = "paper") -> list[dict]:
+def transfer(out: str = "demo-report", thresholds=(0.01, 0.05), steps: int | None = None, check: str | None = None,
+             space: str = "pretrained", seeds=(0,)) -> list[dict]:
     """Transfer learning (the paper's Table 6): compress the pretrained MiniLM (a keyframe) at each
-    threshold, fine-tune from the compressed and from the original weights, compare."""
-    from .transfer import run_transfer
+    threshold against a check for pretrained weights, fine-tune from the compressed and from the
+    original weights with the same seeds, compare; writes ``out/transfer.json``."""
+    from . import transfer as T
 
     _quiet_frameworks()
-    if space not in ("paper", "finetune"):
-        raise ConfigError(f"unknown transfer search space {space!r}; choose 'paper' or 'finetune'")
-    return run_transfer(out=pathlib.Path(out), thresholds=thresholds, steps=steps, space=space)
+    console = Console()
+    check = check or T.P.DEFAULT_CHECK
+    rows = T.run_transfer(pathlib.Path(out), thresholds=thresholds, steps=steps or T.STEPS, kind=check,
+                          space=space, seeds=seeds, progress=lambda msg: console.print(f"[dim]{msg}"))
+    title = (f"Transfer learning: MiniLM compressed (check: {check}, space: {space}), then fine-tuned "
+             f"{steps or T.STEPS} steps on stdlib docstrings (8 packages), seeds {list(seeds)}")
+    print_rows(T.table(rows), console, title)
+    console.print(f"report: {pathlib.Path(out) / 'transfer.json'}")
+    return rows

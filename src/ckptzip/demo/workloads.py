@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..search.pretrained import package_docstrings
 
 
 class DigitsMLP(nn.Module):
@@ -211,25 +212,11 @@ DOCSTRING_PACKAGES = ("asyncio", "email", "tkinter", "logging", "multiprocessing
 
 
 def stdlib_docstrings(per_class: int = 130, seed: int = 0) -> tuple[list[str], list[int]]:
-    import ast
     import random
 
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     texts, labels = [], []
     for label, pkg in enumerate(DOCSTRING_PACKAGES):
-        found = []
-        for p in sorted((root / pkg).rglob("*.py")):
-            if "test" in p.parts:
-                continue
-            try:
-                tree = ast.parse(p.read_text(encoding="utf-8", errors="replace"))
-            except SyntaxError:
-                continue
-            for node in ast.walk(tree):
-                if isinstance(node, ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef):
-                    doc = ast.get_docstring(node)
-                    if doc and len(doc) > 20:
-                        found.append(" ".join(doc.split())[:400])
+        found = package_docstrings(pkg)
         random.Random(seed + label).shuffle(found)
         texts += found[:per_class]
         labels += [label] * min(per_class, len(found))
@@ -245,40 +232,13 @@ FIDELITY_SEARCH_SPACE = {"bins": (16, 32, 64, 128, 256), "prune_fraction": (0.0,
 FIDELITY_THRESHOLD = 0.10
 
 
-def retrieval_eval(tok, n: int = 128):
-    """Quality of a sentence encoder on real text, lower is better: each of ``n`` held-out stdlib
-    docstrings is split in two halves, and the InfoNCE loss of matching every first half to its own
-    second half among all of them (cosine similarity of mean-pooled embeddings, temperature 0.05).
-    Takes a bare encoder (``AutoModel``) or anything whose ``.bert`` is one."""
-    texts, _ = stdlib_docstrings(per_class=40, seed=99)
-    texts = [t for t in texts if len(t.split()) >= 8][:n]
-    halves = [(" ".join(t.split()[: len(t.split()) // 2]), " ".join(t.split()[len(t.split()) // 2:])) for t in texts]
-    a = tok([h[0] for h in halves], padding=True, truncation=True, max_length=48, return_tensors="pt")
-    b = tok([h[1] for h in halves], padding=True, truncation=True, max_length=48, return_tensors="pt")
-
-    def embed(model, enc):
-        model = getattr(model, "bert", model)
-        out = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state
-        mask = enc["attention_mask"].unsqueeze(-1).float()
-        return torch.nn.functional.normalize((out * mask).sum(1) / mask.sum(1), dim=-1)
-
-    @torch.no_grad()
-    def eval_fn(model) -> float:
-        was = model.training
-        model.eval()
-        sim = embed(model, a) @ embed(model, b).T / 0.05
-        model.train(was)
-        return float(torch.nn.functional.cross_entropy(sim, torch.arange(len(halves))))
-
-    return eval_fn
-
-
-
 def minilm_workload(total_steps: int = 40, ckpt_every: int = 8, bsz: int = 16, max_len: int = 48,
-                    freeze_embeddings: bool = True, judge: str = "fidelity") -> Workload:
+                    freeze_embeddings: bool = True, judge: str = "fidelity", lr: float = 5e-5,
+                    split: tuple[float, float] = (0.7, 0.15)) -> Workload:
     """``judge``: what the config search evaluates -- "fidelity" (default: relative error of the
     final [CLS] states, FIDELITY_THRESHOLD) or "loss" (relative validation loss at the caller's
-    threshold, FINETUNE_SEARCH_SPACE; blind to encoder damage early on, kept for bench/fidelity.py)."""
+    threshold, FINETUNE_SEARCH_SPACE; blind to encoder damage early on, kept for bench/fidelity.py).
+    ``split``: the train and validation shares of the docstrings; the rest is the test set."""
     if judge not in ("fidelity", "loss"):
         raise ConfigError(f"judge must be 'fidelity' or 'loss', got {judge!r}")
     import os
@@ -297,7 +257,7 @@ def minilm_workload(total_steps: int = 40, ckpt_every: int = 8, bsz: int = 16, m
               return_tensors="pt")
     y = torch.tensor([labels[i] for i in order])
     n = len(y)
-    n_tr, n_va = int(0.7 * n), int(0.15 * n)
+    n_tr, n_va = int(split[0] * n), int(split[1] * n)
     split = {"train": slice(0, n_tr), "val": slice(n_tr, n_tr + n_va), "test": slice(n_tr + n_va, n)}
     data = {k: (enc["input_ids"][s], enc["attention_mask"][s], y[s]) for k, s in split.items()}
 
@@ -307,7 +267,7 @@ def minilm_workload(total_steps: int = 40, ckpt_every: int = 8, bsz: int = 16, m
         if freeze_embeddings:
             # common for small-data fine-tuning; the 11.7M-row table stays in every checkpoint (no Adam state)
             m.bert.embeddings.word_embeddings.weight.requires_grad_(False)
-        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=5e-5, weight_decay=0.01)
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr, weight_decay=0.01)
         return m, opt, None
 
     def batch(step):
@@ -358,7 +318,8 @@ def minilm_workload(total_steps: int = 40, ckpt_every: int = 8, bsz: int = 16, m
                     threshold=FIDELITY_THRESHOLD if fid else None,
                     description=
                     f"fine-tune pretrained all-MiniLM-L6-v2 (22.7M) to tell which of {len(DOCSTRING_PACKAGES)} stdlib "
-                    f"packages a docstring comes from ({n} docstrings, 70/15/15 split), AdamW 5e-5, batch {bsz}x{max_len}"
+                    f"packages a docstring comes from ({n} docstrings, {n_tr * 100 // n}/{n_va * 100 // n}/"
+                    f"{100 - (n_tr + n_va) * 100 // n} split), AdamW {lr:.0e}, batch {bsz}x{max_len}".replace("e-0", "e-")
                     + (", word embeddings frozen" if freeze_embeddings else "")
                     + (f"; the search bounds the relative [CLS]-state error by {FIDELITY_THRESHOLD:.0%}" if fid
                        else "; the search judges the relative validation loss"))

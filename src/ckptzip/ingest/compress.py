@@ -6,7 +6,9 @@
 ``plan`` checks the method and its config, the quality options, the chain folder (new, empty, or
 a chain whose latest step comes before the sources), every source (sources.find_sources) and, for
 methods with a config search, loads the ``--eval`` spec: ``module:function`` or
-``path/to/file.py:function`` returning ``(model, eval_fn)``. ``run`` then loads each source's
+``path/to/file.py:function`` returning ``(model, eval_fn)``, or ``pretrained:MODEL_FOLDER`` (a
+Hugging Face encoder judged by search/pretrained.py's default check; ``pretrained-KIND:...`` for
+another of its checks). ``run`` then loads each source's
 weights into that model before its save, so the search judges quality on the checkpoint being
 compressed. Messages name the ``ckptzip compress`` options, since that is who they are for.
 """
@@ -103,7 +105,12 @@ def check_target(url: str) -> list[Entry]:
 
 
 def load_eval(spec: str) -> tuple[torch.nn.Module, Callable]:
-    """(model, eval_fn) from ``module:function`` or ``path/to/file.py:function``."""
+    """(model, eval_fn) from ``module:function``, ``path/to/file.py:function`` or ``pretrained[-KIND]:FOLDER``."""
+    kind, sep, folder = spec.partition(":")
+    if sep and (kind == "pretrained" or kind.startswith("pretrained-")):
+        from ..search import pretrained
+
+        return pretrained.from_pretrained(folder, kind.removeprefix("pretrained").lstrip("-") or pretrained.DEFAULT_CHECK)
     mod_name, sep, fn_name = spec.rpartition(":")
     if not sep or not mod_name or not fn_name:
         raise ConfigError(f"--eval {spec!r} must be module:function or path/to/file.py:function")

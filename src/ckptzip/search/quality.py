@@ -24,6 +24,15 @@ early in fine-tuning the task loss sits at chance whatever happens to the pretra
 a loss-based search passes configs that erase what the fine-tuning still needs
 (docs/BENCHMARKS.md, MiniLM).
 
+Several outputs, or another distance: ``eval_fn`` may return ``Outputs(tensors, distance)``
+(e.g. every layer's hidden states); the degradation is then the mean over the tensors of
+
+    "relative"   ||y - y0|| / ||y0||
+    "cosine"     mean over rows (all dims but the last) of 1 - cos(y_row, y0_row)
+
+A bare tensor is ``Outputs((tensor,), "relative")``. search/pretrained.py builds such checks for
+pretrained encoders.
+
 Evaluation happens on a scratch copy of the model (one deepcopy per search, reused for every
 trial) loaded with ``load_state_dict`` of the state_dict rebuilt from the state's skeleton, as
 ``restore`` rebuilds it: a tied weight (GPT-2's lm_head = wte) gets the same reconstruction.
@@ -55,6 +64,45 @@ from ..state import FlatState, unflatten_state
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
                "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                "_load_state_dict_post_hooks")
+
+
+DISTANCES = ("relative", "cosine")
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """What an output-fidelity ``eval_fn`` may return: tensors compared one by one with the exact
+    state's, and how (see the module docstring)."""
+
+    tensors: tuple
+    distance: str = "relative"
+
+    def __post_init__(self):
+        t = tuple(self.tensors) if isinstance(self.tensors, list | tuple) else (self.tensors,)
+        if not t or not all(isinstance(x, torch.Tensor) and x.numel() > 0 for x in t):
+            raise ConfigError("Outputs holds one or more non-empty tensors, got "
+                              f"{[type(x).__name__ for x in t] or 'none'}")
+        if self.distance not in DISTANCES:
+            raise ConfigError(f"Outputs.distance must be one of {DISTANCES}, got {self.distance!r}")
+        object.__setattr__(self, "tensors", t)
+
+    def shapes(self) -> list[tuple]:
+        return [tuple(x.shape) for x in self.tensors]
+
+
+def output_distance(out: Outputs, ref: Outputs) -> float:
+    """The mean over tensors of ``out.distance`` between ``out`` and the reference outputs."""
+    ds = []
+    for y, y0 in zip(out.tensors, ref.tensors):
+        y = y.detach().to(y0)
+        if out.distance == "relative":
+            ds.append(float((y - y0).norm() / y0.norm()))
+        else:
+            rows = y.reshape(-1, y.shape[-1]) if y.dim() > 1 else y.reshape(1, -1)
+            rows0 = y0.reshape(-1, y0.shape[-1]) if y0.dim() > 1 else y0.reshape(1, -1)
+            ds.append(float((1 - torch.nn.functional.cosine_similarity(rows, rows0, dim=-1)).clamp(min=0).mean()))
+    d = sum(ds) / len(ds)
+    return d if math.isfinite(d) else math.inf
 
 
 @dataclass(frozen=True)
@@ -123,6 +171,13 @@ def model_skeleton(state: FlatState):
     return sk.get("model") if isinstance(sk, dict) and isinstance(sk.get("model"), dict) else None
 
 
+def _as_outputs(out):
+    """A tensor of more than one element is outputs; anything else stays (a score, or Outputs)."""
+    if isinstance(out, torch.Tensor) and out.numel() > 1:
+        return Outputs((out,), "relative")
+    return out
+
+
 def _scalar(s) -> float:
     if isinstance(s, torch.Tensor):
         if s.numel() != 1:
@@ -160,16 +215,17 @@ class QualityJudge:
         self._model_records = {n for n, r in state.records.items() if n.startswith("model/")}
         self._scratch = scratch_copy(model)
         self._modes = [(m, m.training) for m in self._scratch.modules()]
-        self._outputs: torch.Tensor | None = None  # the exact state's outputs (output-fidelity mode)
-        first = self._run({})
-        if isinstance(first, torch.Tensor) and first.numel() > 1:
+        self._outputs: Outputs | None = None  # the exact state's outputs (output-fidelity mode)
+        first = _as_outputs(self._run({}))
+        if isinstance(first, Outputs):
             if self.higher_is_better:
-                raise ConfigError("eval_fn returned outputs (a tensor), which are judged by their relative "
-                                  "error (lower is better); drop higher_is_better=True")
-            self._outputs = first.detach().to(torch.float64)
-            if not bool(torch.isfinite(self._outputs).all()) or float(self._outputs.norm()) == 0.0:
+                raise ConfigError("eval_fn returned outputs (tensors), which are judged by their distance to the "
+                                  "exact outputs (lower is better); drop higher_is_better=True")
+            ref = [x.detach().to(torch.float64) for x in first.tensors]
+            if not all(bool(torch.isfinite(x).all()) and float(x.norm()) > 0.0 for x in ref):
                 raise NonFiniteError("eval_fn's outputs for the uncompressed state are all zero or not finite; "
                                      "the config search needs outputs to compare against")
+            self._outputs = Outputs(tuple(ref), first.distance)
             self.baseline = 0.0
         else:
             self.baseline = _scalar(first)
@@ -209,15 +265,15 @@ class QualityJudge:
     def score(self, replacements: Mapping[str, torch.Tensor]) -> float:
         """eval_fn on the state with ``replacements`` (record name, e.g. ``model/fc1.weight``); in
         output-fidelity mode, the relative error of its outputs."""
-        out = self._run(replacements)
+        out = _as_outputs(self._run(replacements))
         if self._outputs is None:
             return _scalar(out)
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(self._outputs.shape):
-            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ConfigError(f"eval_fn returned outputs of shape {tuple(self._outputs.shape)} for the exact state "
-                              f"but {got} for a candidate; return the same outputs every call")
-        err = float((out.detach().to(self._outputs) - self._outputs).norm() / self._outputs.norm())
-        return err if math.isfinite(err) else math.inf
+        ref = self._outputs
+        if not isinstance(out, Outputs) or out.shapes() != ref.shapes() or out.distance != ref.distance:
+            got = f"{out.distance} {out.shapes()}" if isinstance(out, Outputs) else type(out).__name__
+            raise ConfigError(f"eval_fn returned {ref.distance} outputs of shape(s) {ref.shapes()} for the exact "
+                              f"state but {got} for a candidate; return the same outputs every call")
+        return output_distance(out, ref)
 
     def degradation(self, score: float) -> float:
         if not math.isfinite(score):
