@@ -303,7 +303,7 @@ def demo(
     failures: Annotated[Optional[int], typer.Option("--failures", "-f", min=0,
                                                     help="simulated failures per run [default: 10; minilm 3]")] = None,
     full: Annotated[bool, typer.Option("--full", help="longer, larger runs")] = False,
-    threshold: Annotated[float, typer.Option("--threshold", help="relative quality budget per checkpoint")] = 0.01,
+    threshold: Annotated[float, typer.Option("--threshold", help="quality budget of each run, end to end over its restores")] = 0.01,
     out: Annotated[str, typer.Option("--out", "-o", help="report folder")] = "demo-report",
     transfer: Annotated[bool, typer.Option("--transfer", help="transfer-learning study (MiniLM)")] = False,
     async_save: Annotated[bool, typer.Option("--async", help="save through the asynchronous engine")] = False,

@@ -87,7 +87,7 @@ class EncodeContext:
     step: int
     model: torch.nn.Module | None = None          # live model (config search evaluates copies of it)
     eval_fn: Callable[[torch.nn.Module], float | torch.Tensor] | None = None  # score or outputs (search/quality)
-    threshold: float = 0.01                       # relative quality budget per checkpoint
+    threshold: float = 0.01                       # this checkpoint's relative budget (api.checkpoint_budget)
     higher_is_better: bool = False
     gradients: dict[str, torch.Tensor] | None = None  # param name -> gradient EMA (sensitivity)
     force_keyframe: bool = False
