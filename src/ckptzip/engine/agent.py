@@ -280,8 +280,7 @@ def main() -> int:
             os.nice(int(opts["agent_nice"]))
         import torch
 
-        if opts.get("agent_threads"):
-            torch.set_num_threads(int(opts["agent_threads"]))
+        torch.set_num_threads(int(opts.get("agent_threads") or max(1, (os.cpu_count() or 2) // 2)))
         agent = _Agent(spec, out)
     except BaseException as e:
         try:

@@ -20,7 +20,9 @@ class EngineOptions:
     warn_on_backpressure: bool = True      # warnings.warn when a save waits for the agent
     max_agent_restarts: int = 3            # agent deaths while committing one step before it fails
     agent_imports: tuple[str, ...] = ()    # modules the agent imports first (custom methods, filesystems)
-    agent_threads: int | None = None       # torch threads in the agent (None: torch's default)
+    # torch threads in the agent; None: half the cores (at least 1). An agent with as many threads as
+    # the trainer stalls the trainer's intra-op pool (measured: GPT-2 demo training 7x slower on 2 cores)
+    agent_threads: int | None = None
     agent_nice: int = 10                   # niceness added to the agent: training keeps the CPU it needs
     agent_log: str | None = None           # append the agent's stderr to this file (None: discard)
     checksum_by: str = "agent"             # who sums a staged slot: "agent" (before encoding, off the
