@@ -61,3 +61,11 @@ def test_async_saves_search_in_the_background(tmp_path):
     chain = CheckpointChain(url, "dynaquant")
     chain.restore()
     assert chain.method.search_state["checkpoints"] == 3
+    # so does a restarted async trainer: its next save searches the neighbourhood, not from scratch
+    m, opt, sched = w.build(1)
+    with ckptzip.Compressor(m, opt, url, "dynaquant", eval_fn=w.eval_fn, threshold=0.05, async_save=True) as ck:
+        assert ck.restore() == 60
+        for step in range(61, 81):
+            w.train_step(m, opt, sched, step)
+        ck.save(80).wait()
+    assert CheckpointChain(url).entry(80).summary["search"] in ("neighbourhood", "fallback")

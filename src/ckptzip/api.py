@@ -20,6 +20,7 @@ import torch
 from .chain import CheckpointChain, Entry, KeyframePolicy, RetentionPolicy
 from .configcheck import Range, check_arg, check_args
 from .fitcheck import check_fits
+from .format import read_manifest
 from .methods.base import EncodeContext
 
 
@@ -163,6 +164,12 @@ class Compressor:
             if found is None:
                 return None
             state, step = found
+            if self._searcher is not None and step in self.chain.steps():
+                # the search runs here, not in the agent: resume its steady state from the file, as
+                # a synchronous writer does when it rebuilds its reference
+                entry = self.chain.entry(step)
+                manifest = read_manifest(self.chain.storage.read(entry.file), name=entry.file)
+                self.chain.method.resume(manifest.get("method_meta", {}))
         else:
             if not self.chain.steps():
                 return None
