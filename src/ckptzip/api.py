@@ -64,8 +64,7 @@ def checkpoint_budget(threshold: float, restores: int) -> float:
     within ``threshold`` end to end: each restore adds its checkpoint's degradation b, and what
     earlier restores added decays by RESTORE_RETENTION per restore, so the run ends at most
     b * (1 - h**R) / (1 - h) worse (h = RESTORE_RETENTION); with no restores, b = threshold."""
-    if restores < 0:
-        raise ValueError(f"restores is a count >= 0, got {restores}")
+    check_args("checkpoint_budget", ARGS, threshold=threshold, restores=restores)
     h = RESTORE_RETENTION
     return threshold if restores <= 1 else threshold * (1 - h) / (1 - h ** restores)
 
