@@ -98,3 +98,20 @@ def test_gradient_window_records_before_save_only(tmp_path):
     ck.close()
     assert not rec.rec.armed and rec._hook is not None
     assert len(m._forward_pre_hooks) == 0  # close() released the hooks
+
+
+def test_checkpoint_budget_splits_the_run_budget_over_restores():
+    from ckptzip.api import RESTORE_RETENTION, checkpoint_budget
+    from ckptzip.errors import ConfigError
+    assert checkpoint_budget(0.01, 0) == checkpoint_budget(0.01, 1) == 0.01  # 0.1's per-checkpoint rule
+    b = checkpoint_budget(0.01, 10)
+    h = RESTORE_RETENTION
+    assert b == pytest.approx(0.01 * (1 - h) / (1 - h ** 10)) and b < 0.01
+    # what the budget promises: 10 restores, each adding b and keeping h of what came before, end within 1 %
+    total = 0.0
+    for _ in range(10):
+        total = total * h + b
+    assert total == pytest.approx(0.01)
+    assert checkpoint_budget(0.01, 3) > b  # fewer restores, more per checkpoint
+    with pytest.raises(ConfigError, match="checkpoint_budget restores must be an int >= 0"):
+        checkpoint_budget(0.01, -1)
