@@ -135,6 +135,7 @@ def plan_moments(state: FlatState, config: MomentConfig, prev: MomentReference |
                 and view.hparams.momentum is not None and _codable(state, view, "momentum_buffer", n):
             name = view.moments["momentum_buffer"]
             q = M.quantize_m(state.tensors[name], None, bits=config.grid.sgd_bits, group=config.grid.group)
+            q.codes = qrecord.compact(q.codes, q.n_levels)
             out[name] = MomentItem(q, S.MOMENT_DIRECTION.descriptor, _direction_meta(q), pack=True)
     return out
 
@@ -158,6 +159,10 @@ def _plan_adam(state: FlatState, view: ParamView, grid: M.GridCodec, prev: Momen
         p = None
     qm, qv = M.encode_pair(m, v, hp, replace(grid, factored=grid.factored and p is None))  # residuals: keyframes
     levels = M.decode_grid(qv)
+    # every moment is planned before any is stored: int64 codes of all of them would peak at 2x the state
+    for q in (qm, qv):
+        if q is not None:
+            q.codes = qrecord.compact(q.codes, q.n_levels)
     n_levels = int(levels.max()) + 1 if levels.numel() else 1
     adam = {"step": hp.step, "beta1": b1, "beta2": b2, "eps": eps}
     return {vname: MomentItem(qv, S.MOMENT_GRID.descriptor, {"step": grid.v_step, "factored": qv.meta["factored"],
