@@ -192,6 +192,29 @@ def test_dynaquant_single_process_and_tools(tmp_path):
     assert torch.equal(load_file(str(out))["model.fc2.weight"], w_hat)
 
 
+def test_config_search_on_the_live_model_single_process(tmp_path):
+    """The writer's collective config search (dcp/search.py) with no process group: a real
+    validation-loss eval_fn, knobs chosen per save and the search state carried to the next."""
+    t = Trainer(hidden=128)
+    xv, yv = t.x[-200:], t.y[-200:]
+
+    def val_loss(m):
+        with torch.no_grad():
+            return float(nn.functional.cross_entropy(m(xv), yv))
+
+    for step in (1, 2):
+        dcp.save(t.steps(5).state(), storage_writer=CompressedWriter(tmp_path, step=step, method="dynaquant",
+                                                                   model=t.model, eval_fn=val_loss,
+                                                                   threshold=0.02))
+    rows = tools.list_steps(tmp_path)
+    summaries = [r["summary"] for r in rows]
+    assert summaries[0]["search"] == "exhaustive" and summaries[1]["search"] in ("neighbourhood", "fallback")
+    assert all(s["evals"] >= 1 for s in summaries)
+    restored = Trainer(hidden=128).model
+    restored.load_state_dict(tools.load_full(tmp_path)["model"])
+    assert val_loss(restored) <= val_loss(t.model) * 1.02 + 1e-6
+
+
 def test_s3_root_through_moto(s3_endpoint):
     from test_storage_s3 import BUCKET
 

@@ -106,6 +106,7 @@ class ShardedTrialRunner(TrialRunner):
     def __init__(self, method, shard: ShardState, reference, judge: ShardJudge, *, group):
         self.method, self.state, self.reference = method, shard.flat, reference
         self.gradients = None            # gradient EMAs of a sharded model: not supported (magnitude)
+        self.prepared = None             # shards share their sketches across ranks: no per-rank sketch reuse
         self.group = None                # no parallel trials: the candidates run one at a time ...
         self.shard_group = group         # ... on every rank of this group
         self.rank, self.size = 0, 1
