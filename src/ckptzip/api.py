@@ -20,7 +20,6 @@ import torch
 from .chain import CheckpointChain, Entry, KeyframePolicy, RetentionPolicy
 from .configcheck import Range, check_arg, check_args
 from .fitcheck import check_fits
-from .format import read_manifest
 from .methods.base import EncodeContext
 
 
@@ -166,9 +165,7 @@ class Compressor:
             if self._searcher is not None and step in self.chain.steps():
                 # the search runs here, not in the agent: resume its steady state from the file, as
                 # a synchronous writer does when it rebuilds its reference
-                entry = self.chain.entry(step)
-                manifest = read_manifest(self.chain.storage.read(entry.file), name=entry.file)
-                self.chain.method.resume(manifest.get("method_meta", {}))
+                self.chain.method.resume(self.chain.manifest(step).get("method_meta", {}))
         else:
             if not self.chain.steps():
                 return None

@@ -35,7 +35,7 @@ from .codec.stages import check_pipeline
 from .configcheck import Range, check_args
 from .errors import (ChainBusyError, CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError,
                      StepOrderError, StorageError, WriteConflictError, malformed)
-from .format import decode_container, encode_container, sha256
+from .format import decode_container, encode_container, read_manifest, sha256
 from .index import INDEX, Entry, Index, checkpoint_file, dumps, parse, replay_path
 from .lease import Lease
 from .methods.base import DecodeContext, EncodeContext, Encoded, Method, Reference, get_method, method_for_file
@@ -100,6 +100,11 @@ class CheckpointChain:
 
     def steps(self) -> list[int]:
         return [e.step for e in self.entries(refresh=True)]
+
+    def manifest(self, step: int | None = None) -> dict:
+        """The manifest of ``step``'s file (latest when None): method, config, method_meta, records."""
+        e = self.entry(step)
+        return read_manifest(self.storage.read(e.file), name=self.storage.path(e.file))
 
     def entry(self, step: int | None = None) -> Entry:
         entries = self.entries()

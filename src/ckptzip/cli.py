@@ -182,7 +182,6 @@ def inspect(
 ) -> None:
     """Per-tensor view of one checkpoint: role, layer type, dtype, shape, stored bytes, pipeline
     (on a DCP root: one row per rank file, and the tensors' chunk layout with --json)."""
-    from .format import read_manifest
     from .tables import checkpoint_table, dcp_step_table, record_rows
 
     with _bad_input():
@@ -196,7 +195,7 @@ def inspect(
         chain = _open_chain(chain_url)
         e = chain.entry(step)
         where = chain.storage.path(e.file)
-        man = read_manifest(chain.storage.read(e.file), name=where)
+        man = chain.manifest(e.step)
     rows = record_rows(man)
     if as_json:
         typer.echo(json.dumps({"step": e.step, "file": where, "keyframe": e.keyframe, "parent": e.parent,
