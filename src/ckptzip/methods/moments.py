@@ -192,12 +192,10 @@ def quantize_normalized(state: FlatState, config: MomentConfig) -> dict[str, Qua
     out: dict[str, QuantizedTensor] = {}
     for view in state.params().values():
         for role in _QUANTIZED_ROLES:
-            name = view.moments.get(role)
-            if name is None:
+            if not _codable(state, view, role, config.min_numel):
                 continue
+            name = view.moments[role]
             rec, t = state.records[name], state.tensors[name]
-            if not (rec.is_float and t.numel() >= config.min_numel and bool(torch.isfinite(t).all())):
-                continue
             x, adam = t, None
             vname = view.moments.get("exp_avg_sq")
             if role == "exp_avg" and vname in out and view.adam and view.step >= 1:
