@@ -35,10 +35,11 @@ from .codec.stages import check_pipeline
 from .configcheck import Range, check_args
 from .errors import (ChainBusyError, CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError,
                      StepOrderError, StorageError, WriteConflictError, malformed)
-from .format import decode_container, encode_container, read_manifest, sha256
+from .format import container_payload, decode_container, read_manifest, sha256
 from .index import INDEX, Entry, Index, checkpoint_file, dumps, parse, replay_path
 from .lease import Lease
 from .methods.base import DecodeContext, EncodeContext, Encoded, Method, Reference, get_method, method_for_file
+from .payload import Payload
 from .policy import KeyframePolicy, RetentionPolicy, keyframe_due, retention_split
 from .retry import RetryPolicy
 from .state import FlatState, TensorRecord, flatten_state, skeleton_refs, unflatten_state
@@ -180,11 +181,11 @@ class CheckpointChain:
                     raise RuntimeError(f"method {self.method.name} left records unencoded: {sorted(missing)[:5]}")
                 parent = None if enc.keyframe else ref.step
                 manifest = self._manifest(flat, enc, step, parent)
-                data = encode_container(manifest, enc.blobs)
+                data = container_payload(manifest, enc.blobs)  # streamed into the write, never joined
                 self.storage.makedirs()
                 fname = self._create_file(step, data)
                 entry = Entry(step=step, file=fname, parent=parent, keyframe=enc.keyframe, method=self.method.descriptor,
-                              nbytes=len(data), raw_bytes=manifest["raw_bytes"], sha256=sha256(data),
+                              nbytes=len(data), raw_bytes=manifest["raw_bytes"], sha256=data.sha256(),
                               created_unix=time.time(), bytes_by_role=_bytes_by_role(flat, enc),
                               summary={**enc.meta.get("summary", {}), "encode_s": round(time.perf_counter() - t0, 4)})
                 keep, drop = retention_split(self.retention, entries + [entry], self.url)
@@ -197,7 +198,7 @@ class CheckpointChain:
         self._sweep(drop)
         return entry
 
-    def _create_file(self, step: int, data: bytes) -> str:
+    def _create_file(self, step: int, data: Payload) -> str:
         name = checkpoint_file(step)
         try:
             self.storage.create(name, data)
