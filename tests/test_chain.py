@@ -13,7 +13,7 @@ from torch import nn
 
 from ckptzip.chain import INDEX, CheckpointChain, KeyframePolicy, RetentionPolicy, checkpoint_file
 from ckptzip.errors import CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError, StepOrderError
-from ckptzip.format import encode_container, sha256
+from ckptzip.format import encode_container, header_sha256, sha256
 from ckptzip.methods.base import EncodeContext
 from helpers import assert_same  # noqa: E402
 
@@ -376,11 +376,15 @@ def small_chain(tmp_path):
     return chain, dict(states), tmp_path / "c"
 
 
-def test_verify_names_a_flipped_file(small_chain):
+@pytest.mark.parametrize("where", ["header", "middle", "last"])
+def test_verify_names_a_flipped_file(small_chain, where):
+    """An entry pins its file by the header's digest, the header every blob's checksum: a byte
+    flipped anywhere (manifest, a blob, the last byte) is found."""
     chain, states, root = small_chain
     target = root / checkpoint_file(2)
     data = bytearray(target.read_bytes())
-    data[len(data) // 2] ^= 0x20
+    assert chain.entries()[1].header_sha256 and chain.entries()[1].sha256 is None
+    data[{"header": 40, "middle": len(data) // 2, "last": len(data) - 1}[where]] ^= 0x20
     target.write_bytes(bytes(data))
     problems = chain.verify(deep=False)
     assert problems and all(checkpoint_file(2) in str(p) for p in problems)
@@ -440,7 +444,7 @@ def test_verify_deep_catches_an_undecodable_record(small_chain):
                              "raw_bytes": 8000}, {"0.data": b"\x04\x00garbage"})
     (root / checkpoint_file(5)).write_bytes(data)
     doc = json.loads((root / INDEX).read_text())
-    doc["entries"][-1]["sha256"] = sha256(data)
+    doc["entries"][-1]["header_sha256"] = header_sha256(data)
     doc["sha256"] = sha256(json.dumps(doc["entries"], sort_keys=True, separators=(",", ":")).encode())
     (root / INDEX).write_text(json.dumps(doc))
     assert chain.verify(deep=False) == []

@@ -75,7 +75,7 @@ def test_payload_is_the_container_in_parts_without_copies():
     """What a save streams into storage: the golden bytes, part by part; the blobs are not copied."""
     manifest, blobs = golden.golden_container()
     p = container_payload(manifest, blobs)
-    assert bytes(p) == GOLDEN and len(p) == len(GOLDEN) and p.sha256() == hashlib.sha256(GOLDEN).hexdigest()
+    assert bytes(p) == GOLDEN and len(p) == len(GOLDEN)
     assert all(part.obj is blobs[k] for part, k in zip(p.parts[1:], sorted(blobs)))
     f = p.reader()  # an S3 PUT body: read in odd sizes, rewound for a retry, sought from the end
     got = b"".join(iter(lambda: f.read(7), b""))

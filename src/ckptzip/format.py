@@ -42,6 +42,15 @@ def sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def header_sha256(data: bytes | memoryview | Payload) -> str:
+    """The container's *digest*: SHA-256 of its length prefix and header. The header holds the
+    manifest, which holds every blob's SHA-256, so the digest pins every byte (a hash tree) with
+    one hash pass over the data, the blobs' own, checked on every load."""
+    head = data.parts[0] if isinstance(data, Payload) else memoryview(data)
+    n = struct.unpack("<Q", bytes(head[:8]))[0] if len(head) >= 8 else 0
+    return sha256(memoryview(head)[:8 + n])
+
+
 def _dumps(obj) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 

@@ -4,14 +4,13 @@ Storage streams the parts into the write (a temp file, an S3 PUT body), so a sav
 a second, joined copy of its blobs. Call order::
 
     p = Payload([header, blob_a, blob_b])   # no copy: memoryviews of the parts
-    len(p), p.sha256()                      # the object's size and checksum, one pass
+    len(p)                                  # the object's size
     with p.reader() as f: ...               # a seekable file over the parts (an S3 PUT body)
     bytes(p)                                # the joined object, for stores that take one buffer
 """
 from __future__ import annotations
 
 import bisect
-import hashlib
 import io
 from collections.abc import Sequence
 
@@ -19,9 +18,8 @@ from collections.abc import Sequence
 class Payload:
     """An object's bytes as a list of parts (memoryviews: nothing is copied until ``bytes()``).
 
-    ``len()`` is the object's size, ``sha256()`` its checksum (one pass over the parts),
-    ``reader()`` a seekable file over it (an S3 PUT body), ``bytes()`` the joined object (stores
-    that take one buffer).
+    ``len()`` is the object's size, ``reader()`` a seekable file over it (an S3 PUT body),
+    ``bytes()`` the joined object (stores that take one buffer).
     """
 
     def __init__(self, parts: Sequence[bytes | bytearray | memoryview]):
@@ -33,12 +31,6 @@ class Payload:
 
     def __bytes__(self) -> bytes:
         return b"".join(self.parts)
-
-    def sha256(self) -> str:
-        h = hashlib.sha256()
-        for p in self.parts:
-            h.update(p)
-        return h.hexdigest()
 
     def reader(self) -> io.BufferedReader:
         return io.BufferedReader(_PartsReader(self.parts), buffer_size=1 << 20)

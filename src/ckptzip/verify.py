@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 from .errors import CkptzipError
 from .format import decode_container, sha256
+from .index import file_matches
 
 if TYPE_CHECKING:
     from .chain import CheckpointChain, Entry
@@ -67,7 +68,7 @@ def _check_file(chain: "CheckpointChain", e: "Entry", steps: set[int]) -> list[P
         data = chain.storage.read(e.file)
     except FileNotFoundError:
         return out + [Problem("committed checkpoint file is missing", e.step, where, fix=FIX_FILE)]
-    damaged = sha256(data) != e.sha256
+    damaged = not file_matches(e, data)
     if damaged:
         out.append(Problem("file does not match its index checksum", e.step, where, fix=FIX_FILE))
     try:
