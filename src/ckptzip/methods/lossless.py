@@ -89,14 +89,15 @@ class LosslessMethod(Method):
         for name in small:
             t, p, pipeline = prepare(name)
             key = f"group.{t.element_size()}{'f' if t.is_floating_point() else 'i'}"
-            words, parents = groups.setdefault(key, ([], []))
+            words, parents, size = groups.setdefault(key, ([], [], [0]))
             bits = to_numpy_bits(t)
             metas[name] = (pipeline + [S.GROUP.descriptor, S.BYTEGROUP.descriptor],
-                           {"group": [key, sum(w.size for w in words), int(bits.size)]})
+                           {"group": [key, size[0], int(bits.size)]})
+            size[0] += bits.size
             words.append(bits)
             parents.append(p if p is not None else np.zeros_like(bits))  # XOR with zeros: the bits
             ref[name] = t.clone()
-        for key, (words, parents) in groups.items():
+        for key, (words, parents, _) in groups.items():
             width, is_float = int(key[len("group."):-1]), key.endswith("f")
             enc.blobs[key] = bytegroup.compress(np.concatenate(words), width, float_bits=is_float, level=level,
                                                 prev=np.concatenate(parents))
