@@ -75,3 +75,28 @@ def test_pair_roundtrip_in_bf16_and_errors(adam_pair):
         M.AdamHP(0)
     none_m, _ = M.decode_pair(*M.encode_pair(m, v, hp, M.GridCodec(m_bits=0)), hp)
     assert not bool(none_m.any())
+
+
+@pytest.mark.parametrize("n", [1, 2, 129, 70_001, 140_003])
+def test_prune_cut_selection_equals_its_torch_reference(n):
+    # ties (values on a coarse grid) and the strided sample of a large tensor, as quantize_m takes it
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=g) * 8).round().abs()[:: max(1, n // 65536)]
+    for q in (0.0, 0.5, 0.9, 0.999):
+        got, ref = M._quantile(x, q), M._quantile_reference(x, q)
+        assert got.dtype == ref.dtype == torch.float32 and torch.equal(got, ref), (n, q)
+        assert torch.allclose(got, torch.quantile(x, q))
+
+
+def test_all_finite_is_finite_in_fp32():
+    from ckptzip.quant.base import all_finite
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        x = torch.randn(1000).to(dtype)
+        assert all_finite(x) and all_finite(x[:0])
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            y = x.clone()
+            y[517] = bad
+            assert not all_finite(y), (dtype, bad)
+    # an fp64 moment beyond fp32's range is not codable (quantize_m would see inf)
+    assert not all_finite(torch.tensor([1.0, 1e300], dtype=torch.float64))
