@@ -234,16 +234,18 @@ def _quantize_m(mf: torch.Tensor, D: torch.Tensor | None, m: torch.Tensor, *, bi
 
 def _quantile(x: torch.Tensor, q: float) -> torch.Tensor:
     """torch.quantile(x, q) (linear interpolation) by selecting the two order statistics it needs
-    instead of a full sort. On CPU one numpy partition selects both (4-8x faster than a kthvalue
-    each, the plain-torch reference ``_quantile_reference`` beside it; tests check them equal)."""
+    instead of a full sort. On CPU one numpy partition at the lower one, the upper one the least
+    value above it (3-4x faster than a kthvalue each; numpy's partition at two ranks at once is
+    itself 3x slower). ``_quantile_reference`` beside it is plain torch; tests check them equal."""
     pos = q * (x.numel() - 1)
     lo = math.floor(pos)
     if x.device.type != "cpu":
         return _quantile_reference(x, q)
-    both = torch.from_numpy(np.partition(x.detach().numpy(), (lo, min(lo + 1, x.numel() - 1)))[lo:lo + 2])
+    part = np.partition(x.detach().numpy(), lo)
+    a = torch.tensor(part[lo])
     if pos == lo:
-        return both[0]
-    return torch.lerp(both[0], both[1], pos - lo)
+        return a
+    return torch.lerp(a, torch.tensor(part[lo + 1:].min()), pos - lo)
 
 
 def _quantile_reference(x: torch.Tensor, q: float) -> torch.Tensor:
