@@ -162,16 +162,19 @@ def _plan_adam(state: FlatState, view: ParamView, grids: tuple[M.GridCodec, M.Gr
         p = None
     grid = grids[p is not None]
     qm, qv = M.encode_pair(m, v, hp, grid)
-    levels = M.decode_grid(qv)
+    if qv.meta["factored"]:
+        levels = M.decode_grid(qv)
+        n_levels = int(levels.max()) + 1 if levels.numel() else 1
+        ref = qrecord.Codes(qrecord.compact(levels, n_levels), n_levels)
     # every moment is planned before any is stored: int64 codes of all of them would peak at 2x the state
     for q in (qm, qv):
         if q is not None:
             q.codes = qrecord.compact(q.codes, q.n_levels)
-    n_levels = int(levels.max()) + 1 if levels.numel() else 1
+    if not qv.meta["factored"]:  # the stored codes are the absolute levels
+        ref = qrecord.Codes(qv.codes, qv.n_levels)
     adam = {"step": hp.step, "beta1": b1, "beta2": b2, "eps": eps}
     return {vname: MomentItem(qv, S.MOMENT_GRID.descriptor, {"step": grid.v_step, "factored": qv.meta["factored"],
-                                                             "adam": adam}, p,
-                              levels=qrecord.Codes(qrecord.compact(levels, n_levels), n_levels), pack=True),
+                                                             "adam": adam}, p, levels=ref, pack=True),
             mname: MomentItem(None, S.MOMENT_DIRECTION.descriptor, {"zero": True, "v": vname}) if qm is None else
             MomentItem(qm, S.MOMENT_DIRECTION.descriptor, {**_direction_meta(qm), "v": vname}, pack=True)}
 

@@ -115,8 +115,7 @@ def _grid_codes(vf: torch.Tensor, D: torch.Tensor, hp: AdamHP, step: float, mf: 
     """grid_codes of checked flat fp32 v (and m) whose denominator is D."""
     if not step > 0:
         raise ConfigError(f"moment grid step must be > 0 (log2 units), got {step}")
-    t = torch.log2(D / hp.eps)
-    c = torch.round(t / step).to(torch.int64).clamp_min_(1)
+    c = torch.div(D, hp.eps).log2_().div_(step).round_().to(torch.int64).clamp_min_(1)
     zero = vf == 0
     if mf is not None:
         zero &= mf == 0
@@ -223,7 +222,7 @@ def _quantize_m(mf: torch.Tensor, D: torch.Tensor | None, m: torch.Tensor, *, bi
     codes = (z > bounds[0]).long() if bounds.numel() == 1 else torch.bucketize(z, bounds)
     if cut is not None:  # the zero level sits between the halves: shift the positive codes up
         half = signed.numel() // 2
-        codes += (codes >= half).to(codes.dtype)
+        codes += codes >= half
         codes.masked_fill_(~keep if bits == 1 else a <= cut, half)
     codes = codes.reshape(-1)[:n]
     meta = {"bits": bits, "group": group, "prune": prune,
