@@ -116,3 +116,12 @@ def test_stream_under_the_naive_size_bound_decodes():
     bits = np.unpackbits(np.frombuffer((Path(__file__).parent / "data" / "ans_sign_stream.bin").read_bytes(),
                                        dtype=np.uint8)).astype(np.int64)
     assert np.array_equal(ans_decode(ans_encode(bits)), bits)
+
+
+@pytest.mark.parametrize("name,x", [*streams(), ("span-9000", np.random.default_rng(1).integers(-9, 8991, 20_001))])
+def test_symbol_table_matches_numpy_unique(name, x):
+    # the counting passes (four interleaved tables for small alphabets, one above 4096 values)
+    values, counts, index = E.symbol_table(x)
+    want, inverse, want_counts = np.unique(x, return_inverse=True, return_counts=True)
+    assert np.array_equal(values, want) and np.array_equal(counts, want_counts)
+    assert index.dtype == np.int32 and np.array_equal(index, inverse.reshape(-1))
