@@ -100,3 +100,19 @@ def test_all_finite_is_finite_in_fp32():
             assert not all_finite(y), (dtype, bad)
     # an fp64 moment beyond fp32's range is not codable (quantize_m would see inf)
     assert not all_finite(torch.tensor([1.0, 1e300], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("factored", [False, True])
+def test_pair_levels_are_the_decoded_grid(adam_pair, factored):
+    m, v, hp = adam_pair
+    qm, qv, c = M.encode_pair_levels(m, v, hp, M.GridCodec(factored=factored, normalize="decoded"))
+    assert qv.meta["factored"] is factored and torch.equal(c, M.decode_grid(qv))
+    assert torch.equal(qm.codes, M.encode_pair(m, v, hp, M.GridCodec(factored=factored, normalize="decoded"))[0].codes)
+
+
+def test_zigzag_by_shifts_is_the_where_form():
+    r = torch.cat([torch.arange(-5000, 5000), torch.tensor([(1 << 62) - 1, -(1 << 62)])])
+    assert torch.equal(M._zigzag(r), torch.where(r >= 0, 2 * r, -2 * r - 1))
+    z = torch.cat([torch.arange(-5000, 10000), torch.tensor([(1 << 63) - 1, -(1 << 63)])])
+    assert torch.equal(M._unzigzag(z), torch.where(z % 2 == 0, z // 2, -(z + 1) // 2))
+    assert torch.equal(M._unzigzag(M._zigzag(r)), r)

@@ -161,16 +161,15 @@ def _plan_adam(state: FlatState, view: ParamView, grids: tuple[M.GridCodec, M.Gr
     if p is not None and p.codes.numel() != v.numel():
         p = None
     grid = grids[p is not None]
-    qm, qv = M.encode_pair(m, v, hp, grid)
-    if qv.meta["factored"]:
-        levels = M.decode_grid(qv)
-        n_levels = int(levels.max()) + 1 if levels.numel() else 1
-        ref = qrecord.Codes(qrecord.compact(levels, n_levels), n_levels)
+    qm, qv, levels = M.encode_pair_levels(m, v, hp, grid)
     # every moment is planned before any is stored: int64 codes of all of them would peak at 2x the state
     for q in (qm, qv):
         if q is not None:
             q.codes = qrecord.compact(q.codes, q.n_levels)
-    if not qv.meta["factored"]:  # the stored codes are the absolute levels
+    if qv.meta["factored"]:
+        n_levels = int(levels.max()) + 1 if levels.numel() else 1
+        ref = qrecord.Codes(qrecord.compact(levels, n_levels), n_levels)
+    else:  # the stored codes are the absolute levels
         ref = qrecord.Codes(qv.codes, qv.n_levels)
     adam = {"step": hp.step, "beta1": b1, "beta2": b2, "eps": eps}
     return {vname: MomentItem(qv, S.MOMENT_GRID.descriptor, {"step": grid.v_step, "factored": qv.meta["factored"],
