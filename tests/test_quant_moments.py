@@ -116,3 +116,13 @@ def test_zigzag_by_shifts_is_the_where_form():
     z = torch.cat([torch.arange(-5000, 10000), torch.tensor([(1 << 63) - 1, -(1 << 63)])])
     assert torch.equal(M._unzigzag(z), torch.where(z % 2 == 0, z // 2, -(z + 1) // 2))
     assert torch.equal(M._unzigzag(M._zigzag(r)), r)
+
+
+@pytest.mark.parametrize("n,group", [(8192, 100), (8192, 256), (50, 256), (512, 256)])
+def test_dequantize_m_is_the_repeated_scale_product(adam_pair, n, group):
+    m, v, hp = adam_pair
+    n = min(n, m.numel())
+    m, D = m.reshape(-1)[:n], M.denominator(v, hp)[:n]
+    q = M.quantize_m(m, D, bits=1, group=group, prune=0.9)
+    want = q.codebook[q.codes.long()] * q.side["scale"].float().repeat_interleave(group)[:n] * D
+    assert torch.equal(M.dequantize_m(q, D), want)

@@ -268,12 +268,16 @@ def dequantize_m(q: QuantizedTensor, D: torch.Tensor | None, dtype: torch.dtype 
     if s is None or s.numel() != -(-n // group):
         raise ValueError(f"{n} codes in groups of {group} need {-(-n // group)} scales, "
                          f"found {None if s is None else s.numel()}")
-    u = q.codebook.to(torch.float32)[q.codes.reshape(-1).long()]
-    u = u * s.to(u.device, torch.float32).repeat_interleave(group)[:n]
+    if q.meta.get("normalized") and D is None:
+        raise ValueError("a normalized exp_avg needs the decoded denominator of its exp_avg_sq")
+    u = q.codebook.to(torch.float32)[q.codes.reshape(-1).long()]  # a fresh tensor: scaled in place
+    sf = s.to(u.device, torch.float32)
+    full = n - n % group  # whole groups by a broadcast (repeat_interleave built a copy of the scales)
+    u[:full].view(-1, group).mul_(sf[:full // group, None])
+    if full < n:
+        u[full:].mul_(sf[-1])
     if q.meta.get("normalized"):
-        if D is None:
-            raise ValueError("a normalized exp_avg needs the decoded denominator of its exp_avg_sq")
-        u = u * D.reshape(-1).to(u.device)
+        u.mul_(D.reshape(-1).to(u.device))
     return u.to(dtype or torch_dtype(q.dtype)).reshape(q.shape)
 
 
