@@ -7,11 +7,14 @@ restored encoder, and the docstring classifier is fine-tuned from it with each s
 initialisation, dropout and the batches drawn). Printed: per config the ratio, every check, the
 test accuracy (mean and range over the seeds) and its change against the original's; then each
 check's Spearman rank correlation with the mean accuracy over the configs, its bootstrap interval
-and its paired difference with the default check's (search.pretrained.DEFAULT_CHECK).
+and its paired difference with the default check's (search.pretrained.DEFAULT_CHECK); last, the
+default's calibration: the state distance that costs 1 and 5 points of fine-tuned accuracy
+(search.pretrained.POINT is the 1-point value, rounded down).
 
 Fine-tuning results are appended to --results (JSON lines) and reused when the same config, seed
 and steps come again, so an interrupted run resumes. The kept ones (transfer-finetune.jsonl) were
-fine-tuned from 0.1's quantizer (k-means++ seeding); the checks are computed with the current one.
+fine-tuned from 0.1's quantizer (k-means++ seeding), the last config's taken from the 3-seed demo
+run that chose it (ckptzip demo --transfer --seeds 3); the checks are computed with the current one.
 
 Run:  .venv/bin/python bench/transfer.py                 (~2 h on 2 busy cores, 3 seeds)
       .venv/bin/python bench/transfer.py --only checks   (the checks alone, ~5 min quiet, ~9 min at load 5)
