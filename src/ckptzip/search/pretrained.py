@@ -24,7 +24,7 @@ over fixed configs from mild to destructive, docs/BENCHMARKS.md "Transfer learni
                where the loss, worst of the milder configs, reaches one point). Grows monotonically
                with the damage, so each threshold picks its own config
     states-raw the same distance uncalibrated (0.01 = states 1 % away in 1 - cos): the first
-               study's default, far stricter than its threshold reads (1 % cost ~0.2 points)
+               study's default, far stricter than its threshold reads (1 % costs ~0.23 points)
     probe      the 2-fold cross-validated loss of a linear probe refit on the mean-pooled states
                (a float, judged by its relative change): does the text keep its separable content?
                Ranks configs as well as ``states`` but sits at or below 0 until the damage is
