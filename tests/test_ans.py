@@ -100,11 +100,13 @@ def test_varints_vectorized_match_scalar():
     for v in vals.tolist():
         E.write_varint(scalar, v)
     assert packed == bytes(scalar)
-    r = E.ByteReader(packed, "test")
-    assert r.varints(len(vals)).tolist() == vals.tolist()
-    r.expect_end()
-    with pytest.raises(CorruptCheckpointError):
-        E.ByteReader(packed[:-1], "test").varints(len(vals))
+    for reps in (1, 3):  # 7 values: the reader's plain loop; 21: its vectorized form
+        many = np.tile(vals, reps)
+        r = E.ByteReader(E.pack_varints(many), "test")
+        assert r.varints(len(many)).tolist() == many.tolist()
+        r.expect_end()
+        with pytest.raises(CorruptCheckpointError):
+            E.ByteReader(E.pack_varints(many)[:-1], "test").varints(len(many))
     with pytest.raises(CorruptCheckpointError):
         E.ByteReader(b"\x80" * 11, "test").varint()
 

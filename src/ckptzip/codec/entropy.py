@@ -346,9 +346,12 @@ class ByteReader:
         raise CorruptCheckpointError(f"{self.what} holds a malformed varint at offset {self.pos}")
 
     def varints(self, count: int) -> np.ndarray:
-        """``count`` varints -> uint64 array (vectorized)."""
+        """``count`` varints -> uint64 array (vectorized; a plain loop for short lists, as in
+        ``pack_varints``: a code stream's alphabet and counts are a few values each)."""
         if count == 0:
             return np.zeros(0, dtype=np.uint64)
+        if count <= 16:
+            return np.array([self.varint() for _ in range(count)], dtype=np.uint64)
         window = np.frombuffer(self.mv[self.pos:self.pos + 10 * count], dtype=np.uint8)
         ends = np.flatnonzero(window < 0x80)
         if ends.size < count:
