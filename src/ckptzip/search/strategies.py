@@ -24,7 +24,8 @@ The paper extends this search to its baselines (section 8.2, Tables 10-12), each
 space: DynaQuant, QD, CNR and GOBO all run through this module. What a method must provide
 (methods/quantizing.py, ``QuantizingMethod``): ``space()`` (search/spaces.py),
 ``search_records(state)`` (the weights the search judges), ``search_quantize(state, knobs,
-gradients)`` -> {name: QuantizedTensor}, ``search_dequantize(q)``, and ``search_coding``: how its
+gradients)`` -> {name: QuantizedTensor}, ``search_dequantize(q, name)`` (what the decoder rebuilds:
+a residual's base added), and ``search_coding``: how its
 encoder codes the codes, for the ratio estimate. Optionally ``search_prepare(state, reference,
 gradients)`` -> an object with ``quantize(knobs)`` and ``estimate(knobs) -> (est_bits,
 raw_bits)`` (or None): the work shared by every candidate of one checkpoint, done once (DynaQuant's
@@ -157,7 +158,7 @@ class TrialRunner:
     def _trial_row(self, c: Candidate) -> list[float]:
         q = self._quantize(c)
         est, raw = self._estimate(q)
-        v = self.judge.check({n: self.method.search_dequantize(qt) for n, qt in q.items()})
+        v = self.judge.check({n: self.method.search_dequantize(qt, n) for n, qt in q.items()})
         self.local_evals += 1
         return [float(v.feasible), v.degradation, v.score, est, raw]
 
