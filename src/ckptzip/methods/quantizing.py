@@ -120,11 +120,13 @@ class QuantizingMethod(Method):
 
     def __init__(self, config=None, **overrides):
         super().__init__(config, **overrides)
-        self.space()  # validates config.search.space now rather than at the first save
         self.search_state = None  # the config search's memory between saves (previous best, ...)
         self.restored = False     # a decoded reference reached this writer: its weights descend from one
         self._bases: dict[str, torch.Tensor] = {}  # this save's residual bases (parent reconstructions)
         self._targets_of: tuple | None = None      # (state, its tensors with residuals in place)
+        self.space()  # validates config.search.space now rather than at the first save
+        if self.config.search.residual_space is not None:
+            self.space_cls.from_any(self.config.search.residual_space)
 
     # --- what a method supplies ---------------------------------------------------------------
     @abstractmethod
@@ -139,7 +141,12 @@ class QuantizingMethod(Method):
 
     # --- search hooks -------------------------------------------------------------------------
     def space(self) -> Space:
-        return self.space_cls.from_any(self.config.search.space)
+        """The search space of this save: ``search.residual_space`` while residuals are quantized."""
+        s = self.config.search
+        if self._bases:
+            return self.space_cls.from_any(s.residual_space) if s.residual_space is not None \
+                else self.space_cls.for_residuals()
+        return self.space_cls.from_any(s.space)
 
     @property
     def search_coding(self) -> str:
@@ -175,7 +182,13 @@ class QuantizingMethod(Method):
             return {}, {"search": "off"}
         from ..search.strategies import search_config  # search/ imports methods lazily too
 
-        knobs, info, self.search_state = search_config(self, state, reference, ctx, self.search_state)
+        # residual saves search their own space and keep their own history (a residual is far more
+        # compressible than the weights: the weights' monotone history would hold it back)
+        st = dict(self.search_state or {})
+        mine = st.pop("residual", None) if self._bases else {k: v for k, v in st.items() if k != "residual"} or None
+        knobs, info, new = search_config(self, state, reference, ctx, mine)
+        self.search_state = {**st, "residual": new} if self._bases else \
+            {**new, **({"residual": st["residual"]} if "residual" in st else {})}
         return knobs, info
 
     def search_reference(self, state: FlatState, knobs: dict, gradients, step: int) -> "QuantizedReference":
@@ -270,7 +283,7 @@ class QuantizingMethod(Method):
                                               residual=name in bases)
         # an async save's search ran in the trainer (asyncsearch.py): its info carries its own search_s
         enc.meta["summary"] = {**{k: getattr(qcfg, k) for k in self._knob_names()}, "search_s": round(search_s, 3),
-                               **search_info}
+                               **search_info, **({"residual": True} if bases else {})}
         if self.search_state is not None:
             enc.meta["search_state"] = self.search_state  # read back by resume() after a restart
         return enc, self._reference(ctx.step, codes_w, codes_m, recon)
