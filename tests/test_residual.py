@@ -109,3 +109,11 @@ def test_search_after_a_restore_judges_and_estimates_the_residual(tmp_path, digi
     assert summary["infeasible"] is False and summary["degradation"] <= 0.01
     raw, stored = ch.entries()[-1].bytes_by_role["weight"]
     assert 0.5 < summary["est_ratio"] / (raw / stored) < 2.0
+    # residual saves search their own space, from scratch the first time, and keep their own history,
+    # which a restarted writer takes back
+    assert summary["residual"] is True and summary["search"] == "exhaustive"
+    model.load_state_dict(snaps[-1].model)
+    again = CheckpointChain(tmp_path, "dynaquant", cfg).save(
+        _state(snaps[-1]) | {"step": snaps[-1].step + 1}, snaps[-1].step + 1, model=model, optimizer=opt,
+        ctx=EncodeContext(step=snaps[-1].step + 1, model=model, eval_fn=ev))
+    assert again.summary["residual"] is True and again.summary["search"] in ("neighbourhood", "fallback")
