@@ -149,6 +149,11 @@ class QuantizingMethod(Method):
         return self.space_cls.from_any(s.space)
 
     @property
+    def search_policy(self) -> str:
+        """The search policy of this save: ``search.residual_policy`` while residuals are quantized."""
+        return self.config.search.residual_policy if self._bases else self.config.search.policy
+
+    @property
     def search_coding(self) -> str:
         """How the codes are coded, for the search's ratio estimate (search.strategies.estimate_bits)."""
         if not self.delta_weights:

@@ -24,6 +24,9 @@ class SearchConfig:
     space: dict | None = None        # fields of the method's space class; None: the paper's table
     residual_space: dict | None = None  # the same for residual saves (methods/quantizing.py); None:
                                         # the space class's ``for_residuals()``
+    residual_policy: str = "free"    # the policy of residual saves: what a residual costs is the drift
+                                     # of one interval, which does not grow as training goes on
 
     def __post_init__(self):
-        check_fields(self, policy=OneOf(SEARCH_POLICIES), neighbourhood=Range(ge=0))
+        check_fields(self, policy=OneOf(SEARCH_POLICIES), residual_policy=OneOf(SEARCH_POLICIES),
+                     neighbourhood=Range(ge=0))

@@ -276,8 +276,8 @@ def _json_float(x: float) -> float | None:
 def search_config(method, state, reference, ctx, search_state, *, group=None, runner: TrialRunner | None = None):
     """Choose this checkpoint's quantizer knobs. Returns (knobs, info, new search_state).
 
-    ``method.config.search`` supplies ``policy`` and ``neighbourhood``, ``method.space()`` the
-    method's search space; the method itself the quantizer (see the module docstring).
+    ``method.config.search`` supplies ``policy`` (``method.search_policy`` when the method has one)
+    and ``neighbourhood``, ``method.space()`` the method's search space; the method itself the quantizer (see the module docstring).
     ``search_state`` is what the previous call returned (None at first).
     ``runner``: a TrialRunner to use instead of the default (dcp/search.py: sharded trials in which
     every rank quantizes its shards of each candidate); the search closes it.
@@ -289,6 +289,7 @@ def search_config(method, state, reference, ctx, search_state, *, group=None, ru
     if not recs:
         return {}, {"search": "none", "reason": "no quantizable weights"}, search_state
     space = method.space()
+    monotone = getattr(method, "search_policy", mcfg.search.policy) == "monotone"
     cube = ConfigCube(space, embedding=any(r.layer_type == "embedding" for r in recs.values()))
     groups = space.groups(ctx.gradients)
     st = dict(search_state or {})
@@ -301,13 +302,13 @@ def search_config(method, state, reference, ctx, search_state, *, group=None, ru
             since = int(st.get("since_metric_check", METRIC_CHECK_EVERY))
             best, extra = neighbourhood_search(
                 runner, cube, prev, groups, steps=int(mcfg.search.neighbourhood),
-                monotone=mcfg.search.policy == "monotone", threshold=ctx.threshold,
+                monotone=monotone, threshold=ctx.threshold,
                 check_groups=since + 1 >= METRIC_CHECK_EVERY)
             kind = "neighbourhood" if best is not None else "fallback"
         if best is None:
             # under the monotone policy a fallback never goes below the previous best: it searches
             # the box above it (fewer evaluations; the whole cube for "free" or without a previous best)
-            lo = cube.point(prev) if prev is not None and mcfg.search.policy == "monotone" else None
+            lo = cube.point(prev) if prev is not None and monotone else None
             best, infeasible = exhaustive_search(runner, cube, groups, lo=lo)
     finally:
         runner.close()
