@@ -13,7 +13,7 @@ from torch import nn
 
 from ckptzip.chain import INDEX, CheckpointChain, KeyframePolicy, RetentionPolicy, checkpoint_file
 from ckptzip.errors import CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError, StepOrderError
-from ckptzip.format import encode_container, sha256
+from ckptzip.format import encode_container, header_sha256, sha256
 from ckptzip.methods.base import EncodeContext
 from helpers import assert_same  # noqa: E402
 
@@ -256,6 +256,26 @@ def test_retention_keeps_what_kept_steps_need(tmp_path, keep_last, keep_every, e
 
 # --- errors --------------------------------------------------------------------------------------
 
+def test_save_holds_its_blobs_once(tmp_path):
+    """The container is streamed into the file from its blobs, never joined into a second copy:
+    the Python heap's peak during a save (the blobs are bytes; tensors live outside it) stays near
+    the stored size, where a joined container needed twice that."""
+    import tracemalloc
+
+    torch.manual_seed(0)
+    state = {"model": {f"w{i}": torch.randn(64, 1024) for i in range(24)}}  # 6 MB, mantissas incompressible
+    CheckpointChain(tmp_path / "warm", "lossless").save({"w": torch.randn(512)}, 1)  # imports, kernels
+    chain = CheckpointChain(tmp_path / "c", "lossless")
+    tracemalloc.start()
+    try:
+        e = chain.save(state, 1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert e.nbytes > 4e6 and peak < 1.3 * e.nbytes, (peak, e.nbytes)
+    assert_same(chain.load(1), state)
+
+
 def test_steps_must_increase(tmp_path):
     chain = CheckpointChain(tmp_path / "c")
     states = _tiny_states(2)
@@ -356,11 +376,15 @@ def small_chain(tmp_path):
     return chain, dict(states), tmp_path / "c"
 
 
-def test_verify_names_a_flipped_file(small_chain):
+@pytest.mark.parametrize("where", ["header", "middle", "last"])
+def test_verify_names_a_flipped_file(small_chain, where):
+    """An entry pins its file by the header's digest, the header every blob's checksum: a byte
+    flipped anywhere (manifest, a blob, the last byte) is found."""
     chain, states, root = small_chain
     target = root / checkpoint_file(2)
     data = bytearray(target.read_bytes())
-    data[len(data) // 2] ^= 0x20
+    assert chain.entries()[1].header_sha256 and chain.entries()[1].sha256 is None
+    data[{"header": 40, "middle": len(data) // 2, "last": len(data) - 1}[where]] ^= 0x20
     target.write_bytes(bytes(data))
     problems = chain.verify(deep=False)
     assert problems and all(checkpoint_file(2) in str(p) for p in problems)
@@ -420,7 +444,7 @@ def test_verify_deep_catches_an_undecodable_record(small_chain):
                              "raw_bytes": 8000}, {"0.data": b"\x04\x00garbage"})
     (root / checkpoint_file(5)).write_bytes(data)
     doc = json.loads((root / INDEX).read_text())
-    doc["entries"][-1]["sha256"] = sha256(data)
+    doc["entries"][-1]["header_sha256"] = header_sha256(data)
     doc["sha256"] = sha256(json.dumps(doc["entries"], sort_keys=True, separators=(",", ":")).encode())
     (root / INDEX).write_text(json.dumps(doc))
     assert chain.verify(deep=False) == []

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -149,6 +150,39 @@ def test_budget_and_option_validation(tmp_path):
         AsyncCheckpointEngine("memory://x/y")
     assert staging.chain_key(str(tmp_path / "a")) == staging.chain_key(f"file://{tmp_path}/a")
     assert staging.chain_key(str(tmp_path / "a")) != staging.chain_key(str(tmp_path / "b"))
+
+
+
+def test_agent_is_niced_and_sized_before_it_imports_torch(tmp_path):
+    # the start-up imports torch (~1.5 s of CPU): at the trainer's priority, on 2 cores, it stalled
+    # the trainer's OpenMP pool (demo steps 100x slower); the niceness must hold from the first instant
+    eng = AsyncCheckpointEngine(tmp_path / "ck", "lossless", options=EngineOptions(agent_nice=7, agent_threads=1))
+    try:
+        pid = eng.agent_pid
+        assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 7)
+        env = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert b"OMP_NUM_THREADS=1" in env
+    finally:
+        eng.close()
+
+
+def test_oversubscription_warning():
+    from ckptzip.engine import OversubscriptionWarning
+    from ckptzip.engine.options import warn_if_oversubscribed
+
+    model, threads = torch.nn.Linear(2, 2), torch.get_num_threads()
+    cores = os.cpu_count()
+    try:
+        torch.set_num_threads(cores)
+        with pytest.warns(OversubscriptionWarning, match=r"torch.set_num_threads\("):
+            warn_if_oversubscribed(model, EngineOptions(agent_threads=1))
+        if cores > 1:
+            torch.set_num_threads(cores - 1)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                warn_if_oversubscribed(model, EngineOptions(agent_threads=1))
+    finally:
+        torch.set_num_threads(threads)
 
 
 # --- in-process trainer ----------------------------------------------------------------------

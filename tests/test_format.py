@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from ckptzip.errors import CkptzipError, CorruptCheckpointError, FormatVersionError
-from ckptzip.format import FORMAT_VERSION, decode_container, encode_container, read_manifest, unpack_manifest
+from ckptzip.format import (FORMAT_VERSION, container_payload, decode_container, encode_container, read_manifest,
+                            unpack_manifest)
 from ckptzip.methods.base import EncodeContext
 from ckptzip.methods.lossless import LosslessMethod
 from ckptzip.state import flatten_state
@@ -68,6 +69,21 @@ def real_container() -> bytes:
 def test_golden_bytes_are_reproduced():
     manifest, blobs = golden.golden_container()
     assert encode_container(manifest, blobs) == GOLDEN
+
+
+def test_payload_is_the_container_in_parts_without_copies():
+    """What a save streams into storage: the golden bytes, part by part; the blobs are not copied."""
+    manifest, blobs = golden.golden_container()
+    p = container_payload(manifest, blobs)
+    assert bytes(p) == GOLDEN and len(p) == len(GOLDEN)
+    assert all(part.obj is blobs[k] for part, k in zip(p.parts[1:], sorted(blobs)))
+    f = p.reader()  # an S3 PUT body: read in odd sizes, rewound for a retry, sought from the end
+    got = b"".join(iter(lambda: f.read(7), b""))
+    assert got == GOLDEN and f.tell() == len(GOLDEN)
+    f.seek(-5, 2)
+    assert f.read() == GOLDEN[-5:]
+    f.seek(0)
+    assert f.read(len(GOLDEN) + 9) == GOLDEN
 
 
 def test_golden_decodes():

@@ -27,7 +27,7 @@ _EXCP_CODES = ["excp-codes/2, {ans|huffman}/1", "excp-codes/2, bitpack/1, {xz|zs
 _GRID = ["moment-grid/1, cyclic-delta/1?, ans/1", "moment-direction/1, ans/1?"]  # M.10
 _GRID_KEYFRAMES = ["moment-grid/1, ans/1", "moment-direction/1, ans/1?"]
 DOCUMENTED: dict[str, list[str]] = {
-    "lossless": ["lossless/1, bytegroup/1", "lossless/1, xor/1, bytegroup/1"],
+    "lossless": ["lossless/1, bytegroup/1", "lossless/1, xor/1, bytegroup/1", "lossless/1, xor/1?, group/1, bytegroup/1"],
     "dynaquant": _EXACT + ["dynaquant/1, rle/1?, {huffman|ans|zstd-ints}/1",
                            "dynaquant/1, cyclic-delta/1, rearrange/1?, rle/1?, {huffman|ans|zstd-ints}/1",
                            "dynaquant/1, residual/1, rle/1?, {huffman|ans|zstd-ints}/1"] + _GRID,
@@ -48,7 +48,8 @@ DOCUMENTED: dict[str, list[str]] = {
 _V1_CODERS = "{ans|huffman|xz|zstd}/1"
 DOCUMENTED_V01: dict[str, list[str]] = {
     **{m: [p for p in DOCUMENTED[m] if not p.startswith("moment-") and "residual/1" not in p]
-       for m in ("lossless", "qd", "cnr", "gobo")},
+       for m in ("qd", "cnr", "gobo")},
+    "lossless": ["lossless/1, bytegroup/1", "lossless/1, xor/1, bytegroup/1"],
     "dynaquant": _EXACT + ["dynaquant/1, rle/1?, {huffman|ans|zstd}/1",
                            "dynaquant/1, cyclic-delta/1, rearrange/1?, rle/1?, {huffman|ans|zstd}/1"],
     "bitsnap": _EXACT + ["bitsnap/1, bitmask/1", "bitsnap/1, bitmask/1, bytegroup/1", "bitsnap/1, bitmask/1, zstd/1",
@@ -64,7 +65,8 @@ DOCUMENTED_V01: dict[str, list[str]] = {
 GOLDEN_V01 = Path(__file__).resolve().parent / "data" / "golden_methods_v1"
 # descriptors that need a parent: never in a keyframe file (the sentence above the table)
 DELTA_ONLY = ["xor/1", "cyclic-delta/1", "rearrange/1", "residual/1", "bitmask/1", "excp-residual/1", "excp-base/1"]
-SHARED_BLOBS = {"excp": {"payload"}, "excp-fixed": {"payload", "codes"}}  # FORMAT.md 1.2
+SHARED_BLOBS = {"excp": {"payload"}, "excp-fixed": {"payload", "codes"},  # FORMAT.md 1.2
+                "lossless": {"group.4f"}}  # section 6: the digits state's small float32 records
 QUANTIZED = {"dynaquant/1", "qd/1", "cnr/1", "gobo/1"}                      # M.2 records
 
 
@@ -99,7 +101,7 @@ def expected_parts(record: dict) -> set[str]:
     if pipe[-1] == "span/1" or pipe[0] == "joint/1":
         return set()  # bytes in the shared payload
     if pipe[0] in ("exact/1", "lossless/1"):
-        return {"data"}
+        return set() if "group/1" in pipe else {"data"}  # a grouped record's words: in its group blob
     if pipe[0] in QUANTIZED:
         return {"codes", "codebook"} | {f"side.{k}" for k in meta["side"]}
     if pipe[0] in ("moment-grid/1", "moment-direction/1"):  # M.10: the M.2 parts packed in one blob

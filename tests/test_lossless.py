@@ -58,8 +58,9 @@ def special_floats(dtype: torch.dtype) -> torch.Tensor:
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
+@pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_special_values_survive_keyframe_and_delta(dtype):
+def test_special_values_survive_keyframe_and_delta(dtype, grouped):
     cur = special_floats(dtype)
     assert cur.isnan().sum() >= 8 and (cur == 0).sum() >= 2
     # the delta's parent: some bits changed by an ulp, some NaNs swapped for numbers and back
@@ -67,12 +68,13 @@ def test_special_values_survive_keyframe_and_delta(dtype):
     prev[::3] ^= 1
     prev = prev.view(dtype)
     m = LosslessMethod()
+    m.group_below = m.group_below if grouped else 0
     s0 = flatten_state({"x": prev.reshape(-1, 1)})
     s1 = flatten_state({"x": cur.reshape(-1, 1)})
     e0, r0 = m.encode(s0, None, ctx=EncodeContext(step=0))
     e1, r1 = m.encode(s1, r0, ctx=EncodeContext(step=1))
     assert e0.keyframe and not e1.keyframe
-    assert e1.records["x"]["pipeline"] == ["lossless/1", "xor/1", "bytegroup/1"]
+    assert e1.records["x"]["pipeline"] == ["lossless/1", "xor/1"] + ["group/1"] * grouped + ["bytegroup/1"]
     d0, dr0 = m.decode(s0.records, e0, None, ctx=DecodeContext(step=0))
     d1, _ = m.decode(s1.records, e1, dr0, ctx=DecodeContext(step=1))
     assert bits_equal(d0["x"], prev.reshape(-1, 1)) and bits_equal(d1["x"], cur.reshape(-1, 1))
@@ -127,6 +129,76 @@ def test_real_run_xor_deltas_exact_and_smaller(digits_snapshots):
     xor = run[2][1].blob(w, "data")
     plain = bytegroup.compress(tensor_to_bytes(run[2][0].tensors[w]), 4)
     assert len(xor) < len(plain)
+
+
+def test_plane_frames_decode_as_the_plain_level_and_are_no_larger(digits_snapshots):
+    """The plane-tuned zstd frames (the default) and the plain level-3 reference are both standard
+    frames the one reader decodes to the same bits; on real weights, moments and their XOR deltas
+    the tuned ones are no larger."""
+    _, _, snaps, _ = digits_snapshots
+    tuned = plain = 0
+    for prev, cur in zip(snaps[:3], snaps[1:4]):
+        for old, new in ((prev.optimizer, cur.optimizer), (prev.model, cur.model)):
+            a, b = flatten_state(old).tensors, flatten_state(new).tensors
+            for n, t in b.items():
+                if not t.is_floating_point():
+                    continue
+                raw, ref = tensor_to_bytes(t), tensor_to_bytes(a[n])
+                for p in (None, ref):
+                    x = bytegroup.compress(raw, t.element_size(), prev=p)
+                    y = bytegroup.compress(raw, t.element_size(), prev=p, plane=False)
+                    want = raw if p is None else (np.frombuffer(raw, np.uint8) ^ np.frombuffer(ref, np.uint8)).tobytes()
+                    assert bytegroup.decompress(x) == bytegroup.decompress(y) == want
+                    tuned, plain = tuned + len(x), plain + len(y)
+    assert tuned <= plain
+
+
+def test_grouped_small_records_decode_as_the_per_record_layout(digits_snapshots, tmp_path):
+    """Small records share one group blob per width and kind (one set of frames, one checksum);
+    the files decode to the same bits as the per-record layout (group_below=0), a flipped byte
+    in a group blob is found and named, and a malformed meta.group is a typed error."""
+    from ckptzip.chain import CheckpointChain, checkpoint_file
+    from ckptzip.errors import CorruptCheckpointError as Corrupt
+
+    _, _, snaps, _ = digits_snapshots
+    states = [{"model": s.model, "optimizer": s.optimizer, "n": torch.arange(7)} for s in snaps[:3]]
+    chains = {}
+    for label, below in (("grouped", LosslessMethod.group_below), ("plain", 0)):
+        m = LosslessMethod()
+        m.group_below = below
+        chains[label] = CheckpointChain(tmp_path / label, m)
+        for i, s in enumerate(states):
+            chains[label].save(s, i + 1)
+    man = chains["grouped"].manifest(3)
+    grouped = [n for n, r in man["records"].items() if "group/1" in r["pipeline"]]
+    assert len(grouped) >= 4 and {"group.4f", "group.8i"} <= set(man["blobs"])
+    assert any("xor/1" in man["records"][n]["pipeline"] for n in grouped)
+    assert not any("group/1" in r["pipeline"] for r in chains["plain"].manifest(3)["records"].values())
+    for step in (1, 2, 3):
+        a, b = chains["grouped"].restore(step).flat.tensors, chains["plain"].restore(step).flat.tensors
+        assert set(a) == set(b) and all(bits_equal(a[n], b[n]) for n in a)
+    # a byte flipped inside the float group blob of the keyframe
+    path = tmp_path / "grouped" / checkpoint_file(1)
+    data = bytearray(path.read_bytes())
+    manifest = chains["grouped"].manifest(1)
+    keys = sorted(manifest["blobs"])
+    start = len(data) - sum(manifest["blobs"][k]["nbytes"] for k in keys)
+    off = start + sum(manifest["blobs"][k]["nbytes"] for k in keys[:keys.index("group.4f")])
+    data[off + 20] ^= 0x01
+    path.write_bytes(bytes(data))
+    problems = list(map(str, chains["grouped"].verify(deep=False)))
+    assert any("more record(s) in group blob 'group.4f' are damaged" in p for p in problems), problems
+    with pytest.raises(Corrupt, match="group.4f"):
+        CheckpointChain(tmp_path / "grouped").load(2)
+    # meta.group pointing outside its blob, or at no blob
+    flat = flatten_state(states[0])
+    m = LosslessMethod()
+    enc, _ = m.encode(flat, None, ctx=EncodeContext(step=1))
+    name = next(n for n, r in enc.records.items() if "group/1" in r["pipeline"])
+    for bad in (["group.4f", 10**6, 3], ["nope", 0, 1], ["group.4f", -1, 1], "x"):
+        enc.records[name]["meta"]["group"] = bad
+        with pytest.raises(Corrupt, match="meta.group|outside"):
+            m.decode(flat.records, enc, None, ctx=DecodeContext(step=1))
 
 
 def test_bf16_copy_of_a_real_run_exact(digits_snapshots):

@@ -195,6 +195,35 @@ def test_conditional_writes_on_s3(faulty_locations):
     assert st.read("c") == b"x" and len(server.failed) == 2
 
 
+def test_s3_large_create_streams_a_multipart_upload_or_nothing(s3, monkeypatch):
+    """Above one PUT's limit a container goes multipart, fed part by part from its Payload; an
+    upload that fails midway is aborted: no object appears, and the name stays free."""
+    from ckptzip import storage
+    from ckptzip.payload import Payload
+
+    url, opts, client = s3
+    st = Storage(url, opts)
+    monkeypatch.setattr(storage, "_S3_MAX_PUT", 16)  # every create of more than 16 bytes is multipart
+    parts = [b"header..", os.urandom(6 << 20), b"x" * 1000]  # more than one 5 MiB upload part
+    st.create("big", Payload(parts))
+    assert st.read("big") == b"".join(parts)
+    with pytest.raises(FileExistsError):
+        st.create("big", Payload(parts))
+
+    real_write = s3fs.core.S3File.write
+    def write(self, data):  # the connection dies on the payload's second part
+        if len(data) > 100:
+            raise ConnectionResetError("cut")
+        return real_write(self, data)
+    monkeypatch.setattr(s3fs.core.S3File, "write", write)
+    with pytest.raises(OSError):
+        st.create("cut", Payload(parts))
+    assert "cut" not in keys(client, url)
+    monkeypatch.setattr(s3fs.core.S3File, "write", real_write)
+    st.create("cut", Payload(parts))
+    assert st.read("cut") == b"".join(parts)
+
+
 @pytest.mark.parametrize("kind", ["503", "lost"])
 def test_s3_fault_at_every_request_of_save_restore_sweep_verify(faulty_locations, kind):
     """Throttling or a lost answer at each request: retried, never noticed."""

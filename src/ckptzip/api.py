@@ -116,11 +116,13 @@ class Compressor:
         self._engine = self._searcher = None
         if async_save:
             from .engine import AsyncCheckpointEngine, EngineOptions
+            from .engine.options import warn_if_oversubscribed
 
             check_arg("Compressor engine_options", engine_options, EngineOptions | None)
             self._engine = AsyncCheckpointEngine(url, method, config, options=engine_options,
                                                  keyframe=keyframe, retention=retention,
                                                  storage_options=storage_options, takeover=takeover)
+            warn_if_oversubscribed(model, self._engine.options)
             if eval_fn is not None and _searches(self.chain.method):
                 from .asyncsearch import SearchingSaver
 

@@ -35,10 +35,11 @@ from .codec.stages import check_pipeline
 from .configcheck import Range, check_args
 from .errors import (ChainBusyError, CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError,
                      StepOrderError, StorageError, WriteConflictError, malformed)
-from .format import decode_container, encode_container, read_manifest, sha256
-from .index import INDEX, Entry, Index, checkpoint_file, dumps, parse, replay_path
+from .format import container_payload, decode_container, header_sha256, read_manifest
+from .index import INDEX, Entry, Index, checkpoint_file, dumps, file_matches, parse, replay_path
 from .lease import Lease
 from .methods.base import DecodeContext, EncodeContext, Encoded, Method, Reference, get_method, method_for_file
+from .payload import Payload
 from .policy import KeyframePolicy, RetentionPolicy, keyframe_due, retention_split
 from .retry import RetryPolicy
 from .state import FlatState, TensorRecord, flatten_state, skeleton_refs, unflatten_state
@@ -180,12 +181,13 @@ class CheckpointChain:
                     raise RuntimeError(f"method {self.method.name} left records unencoded: {sorted(missing)[:5]}")
                 parent = None if enc.keyframe else ref.step
                 manifest = self._manifest(flat, enc, step, parent)
-                data = encode_container(manifest, enc.blobs)
+                data = container_payload(manifest, enc.blobs)  # streamed into the write, never joined
                 self.storage.makedirs()
                 fname = self._create_file(step, data)
                 entry = Entry(step=step, file=fname, parent=parent, keyframe=enc.keyframe, method=self.method.descriptor,
-                              nbytes=len(data), raw_bytes=manifest["raw_bytes"], sha256=sha256(data),
-                              created_unix=time.time(), bytes_by_role=_bytes_by_role(flat, enc),
+                              nbytes=len(data), raw_bytes=manifest["raw_bytes"], sha256=None,
+                              header_sha256=header_sha256(data), created_unix=time.time(),
+                              bytes_by_role=_bytes_by_role(flat, enc),
                               summary={**enc.meta.get("summary", {}), "encode_s": round(time.perf_counter() - t0, 4)})
                 keep, drop = retention_split(self.retention, entries + [entry], self.url)
                 self._commit(keep, base, record, f"saving step {step}")
@@ -197,7 +199,7 @@ class CheckpointChain:
         self._sweep(drop)
         return entry
 
-    def _create_file(self, step: int, data: bytes) -> str:
+    def _create_file(self, step: int, data: Payload) -> str:
         name = checkpoint_file(step)
         try:
             self.storage.create(name, data)
@@ -304,7 +306,7 @@ class CheckpointChain:
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{self.storage.path(e.file)}: committed checkpoint file is missing") \
                     from None
-            if sha256(data) != e.sha256:
+            if not file_matches(e, data, blobs=False):  # the blobs: checked against the header next
                 raise CorruptCheckpointError(f"{self.storage.path(e.file)}: file does not match its index checksum")
             c = decode_container(data, name=self.storage.path(e.file))
             m = c.manifest

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from .codec.frames import zstd_compress, zstd_decompress
 from .errors import CorruptCheckpointError, FormatVersionError
+from .payload import Payload
 
 FORMAT_VERSION = 1
 MAGIC_KEY = "ckptzip.format"
@@ -41,6 +42,15 @@ def sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def header_sha256(data: bytes | memoryview | Payload) -> str:
+    """The container's *digest*: SHA-256 of its length prefix and header. The header holds the
+    manifest, which holds every blob's SHA-256, so the digest pins every byte (a hash tree) with
+    one hash pass over the data, the blobs' own, checked on every load."""
+    head = data.parts[0] if isinstance(data, Payload) else memoryview(data)
+    n = struct.unpack("<Q", bytes(head[:8]))[0] if len(head) >= 8 else 0
+    return sha256(memoryview(head)[:8 + n])
+
+
 def _dumps(obj) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
@@ -56,8 +66,9 @@ def _header_bytes(manifest_str: str, sizes: list[tuple[str, int]]) -> bytes:
     return raw + b" " * (-len(raw) % 8)  # safetensors pads the header with spaces to 8 bytes
 
 
-def encode_container(manifest: dict, blobs: dict[str, bytes]) -> bytes:
-    """Serialize a manifest and its blobs. Blob checksums are added to the manifest here."""
+def container_payload(manifest: dict, blobs: dict[str, bytes]) -> Payload:
+    """A manifest and its blobs as the container's parts (header, then blobs by key); blob
+    checksums are added to the manifest here. ``bytes()`` of it is :func:`encode_container`."""
     manifest = dict(manifest)
     manifest["format_version"] = FORMAT_VERSION
     keys = sorted(blobs)
@@ -68,7 +79,12 @@ def encode_container(manifest: dict, blobs: dict[str, bytes]) -> bytes:
     if len(mstr) > _PACK_ABOVE:
         mstr = _PACKED + base64.b64encode(zstd_compress(mstr.encode(), 9)).decode()
     header = _header_bytes(mstr, [(k, len(blobs[k])) for k in keys])
-    return b"".join([struct.pack("<Q", len(header)), header, *(blobs[k] for k in keys)])
+    return Payload([struct.pack("<Q", len(header)) + header, *(blobs[k] for k in keys)])
+
+
+def encode_container(manifest: dict, blobs: dict[str, bytes]) -> bytes:
+    """Serialize a manifest and its blobs into one buffer (the joined :func:`container_payload`)."""
+    return bytes(container_payload(manifest, blobs))
 
 
 def decode_container(data: bytes | memoryview, *, name: str = "checkpoint", verify_blobs: bool = True) -> Container:

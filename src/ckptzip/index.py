@@ -10,6 +10,10 @@ Layout (JSON)::
 The checksum covers the entries only, so 0.1 readers (which ignore unknown fields) still read an
 index written with an owner. ``parse`` rejects a damaged or newer index with a one-line
 CorruptCheckpointError; ``dumps`` writes one.
+
+An entry pins its file by ``header_sha256`` (version 2: the container's digest, format.py; with the
+blobs' own checksums, checked on every load, it covers every byte in one hash pass) or, in entries
+written before, ``sha256`` of the whole file; ``file_matches`` checks whichever it has.
 """
 from __future__ import annotations
 
@@ -17,12 +21,12 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from .errors import CorruptCheckpointError
-from .format import sha256
+from .errors import CkptzipError, CorruptCheckpointError
+from .format import decode_container, header_sha256, sha256
 
 INDEX = "index.json"
 INDEX_FORMAT = "ckptzip-chain"
-INDEX_VERSION = 1   # "owner" was added without a bump: 0.1 readers ignore it
+INDEX_VERSION = 2   # 2: entries pin files by header_sha256 ("owner" was added to 1 without a bump)
 
 
 @dataclass(frozen=True)
@@ -36,10 +40,11 @@ class Entry:
     method: str
     nbytes: int
     raw_bytes: int
-    sha256: str
+    sha256: str | None                                 # of the whole file (entries of index version 1)
     created_unix: float
     bytes_by_role: dict = field(default_factory=dict)  # role -> [raw, stored]
     summary: dict = field(default_factory=dict)        # method facts worth listing (config chosen, ...)
+    header_sha256: str | None = None                   # the container's digest (index version 2)
 
     @property
     def ratio(self) -> float:
@@ -53,6 +58,23 @@ class Index:
     entries: list[Entry]
     owner: dict | None = None
     version: str | None = None
+
+
+def file_matches(entry: Entry, data: bytes | memoryview, *, blobs: bool = True) -> bool:
+    """Whether ``data`` is the file ``entry`` committed: its whole-file SHA-256, or its digest and
+    (with ``blobs``) every blob against the checksum its header lists."""
+    if entry.sha256 is not None and sha256(data) != entry.sha256:
+        return False
+    if entry.header_sha256 is None:
+        return entry.sha256 is not None
+    if header_sha256(data) != entry.header_sha256:
+        return False
+    if blobs:
+        try:
+            decode_container(data)
+        except CkptzipError:
+            return False
+    return True
 
 
 def checkpoint_file(step: int, tag: str | None = None) -> str:

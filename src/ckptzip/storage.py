@@ -9,6 +9,7 @@ meant for other writers of a store (a torch.distributed.checkpoint layer)::
     st.read(name) / st.exists(name) / st.list() / st.size(name) / st.delete(name)
     st.write_atomic(name, data)           # whole object or nothing; replaces
     st.create(name, data)                 # whole object or nothing; FileExistsError if the name is taken
+                                          # (data: bytes, or a Payload of parts streamed into the write)
     data, version = st.read_versioned(name)            # (None, None) when absent
     version = st.write_if(name, data, version)        # compare-and-swap; WriteConflictError if it moved
 
@@ -31,7 +32,10 @@ other fsspec   one PUT / exists + PUT / read + compare + PUT          no: a race
 ============  =====================================================  ==========
 
 An interrupted write never becomes visible: local writes go to a temporary name first (``.tmp``,
-an orphan ``gc`` removes) and an object store keeps nothing of a failed PUT.
+an orphan ``gc`` removes) and an object store keeps nothing of a failed PUT (or of an aborted
+multipart upload). A :class:`~ckptzip.payload.Payload` is written part by part (local: into the
+temp file; S3: as the PUT's body, read from the parts), never joined, so a save holds its blobs
+once; stores that take one buffer (memory://, other fsspec) get the joined bytes.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ import fsspec
 
 from .errors import WriteConflictError
 from .format import sha256
+from .payload import Payload, as_bytes
 from .retry import CONFLICT_CODES, RetryPolicy, call, service_error
 
 _S3_MAX_PUT = 5 * 2**30  # one PUT carries at most 5 GiB: larger objects go multipart, not conditional
@@ -95,10 +100,10 @@ class Storage:
         if self.local or "memory" in _protocols(self.fs):
             self._call("creating the folder", "", self.fs.makedirs, self.root, True)
 
-    def write_atomic(self, name: str, data: bytes) -> None:
+    def write_atomic(self, name: str, data: bytes | Payload) -> None:
         self._call("writing", name, self._backend.write, self.path(name), data)
 
-    def create(self, name: str, data: bytes) -> None:
+    def create(self, name: str, data: bytes | Payload) -> None:
         """Write a new object; FileExistsError if ``name`` exists.
 
         Also when an earlier try of this very call landed and only its answer was lost (this
@@ -171,10 +176,10 @@ class _FsspecBackend:
         except FileNotFoundError:
             return []
 
-    def write(self, path: str, data: bytes) -> None:
-        self.fs.pipe_file(path, data)
+    def write(self, path: str, data: bytes | Payload) -> None:
+        self.fs.pipe_file(path, as_bytes(data))
 
-    def create(self, path: str, data: bytes) -> None:
+    def create(self, path: str, data: bytes | Payload) -> None:
         with self._exclusive(path):
             if self.exists(path):
                 raise FileExistsError(f"{path} exists")
@@ -206,7 +211,7 @@ class _LocalBackend(_FsspecBackend):
         with open(path, "rb") as f:
             return f.read()
 
-    def write(self, path: str, data: bytes) -> None:
+    def write(self, path: str, data: bytes | Payload) -> None:
         tmp = self._temp(path, data)
         try:
             os.replace(tmp, path)
@@ -215,7 +220,7 @@ class _LocalBackend(_FsspecBackend):
             raise
         _fsync_dir(os.path.dirname(path))
 
-    def create(self, path: str, data: bytes) -> None:
+    def create(self, path: str, data: bytes | Payload) -> None:
         tmp = self._temp(path, data)
         try:
             os.link(tmp, path)  # never replaces: FileExistsError if the name is taken
@@ -236,13 +241,14 @@ class _LocalBackend(_FsspecBackend):
         return sha256(data)
 
     @staticmethod
-    def _temp(path: str, data: bytes) -> str:
+    def _temp(path: str, data: bytes | Payload) -> str:
         folder, name = os.path.split(path)
         os.makedirs(folder, exist_ok=True)
         tmp = f"{folder}/.{name}.{uuid.uuid4().hex}.tmp"
         try:
             with open(tmp, "wb") as f:
-                f.write(data)
+                for part in data.parts if isinstance(data, Payload) else (data,):
+                    f.write(part)
                 f.flush()
                 os.fsync(f.fileno())
         except BaseException:
@@ -278,10 +284,11 @@ class _S3Backend(_FsspecBackend):
         except FileNotFoundError:
             return None, None
 
-    def _put(self, path: str, data: bytes, **cond) -> str:
+    def _put(self, path: str, data: bytes | Payload, **cond) -> str:
         bucket, key, _ = self.fs.split_path(path)
+        body = data.reader() if isinstance(data, Payload) else data  # a fresh reader per try
         try:
-            out = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **cond)
+            out = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body, **cond)
         except Exception as e:
             if isinstance(e, FileExistsError) or service_error(e)[0] in CONFLICT_CODES:
                 raise WriteConflictError(f"{path} changed since it was read") from None
@@ -290,9 +297,12 @@ class _S3Backend(_FsspecBackend):
             self.fs.invalidate_cache(path)
         return out["ETag"]
 
-    def create(self, path: str, data: bytes) -> None:
+    def create(self, path: str, data: bytes | Payload) -> None:
         if len(data) > _S3_MAX_PUT:
-            return super().create(path, data)  # multipart upload: exists + PUT (see the table)
+            with self._exclusive(path):  # multipart upload: exists + upload (see the table)
+                if self.exists(path):
+                    raise FileExistsError(f"{path} exists")
+                return self._multipart(path, data)
         try:
             self._put(path, data, IfNoneMatch="*")
         except WriteConflictError:
@@ -300,6 +310,20 @@ class _S3Backend(_FsspecBackend):
 
     def write_if(self, path: str, data: bytes, version: str | None) -> str:
         return self._put(path, data, **({"IfNoneMatch": "*"} if version is None else {"IfMatch": version}))
+
+    def _multipart(self, path: str, data: bytes | Payload) -> None:
+        """A multipart upload fed part by part; aborted on any failure (the object never appears)."""
+        f = self.fs.open(path, "wb")
+        try:
+            for part in data.parts if isinstance(data, Payload) else (memoryview(data),):
+                f.write(part)
+        except BaseException:
+            try:
+                f.discard()  # aborts the upload: S3 keeps nothing visible
+            finally:
+                f.closed = True  # a discarded file must not complete its upload when collected
+            raise
+        f.close()  # completes the upload: the object appears whole
 
 
 def _flock(fd: int) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 from .errors import CkptzipError
 from .format import decode_container, sha256
+from .index import file_matches
 
 if TYPE_CHECKING:
     from .chain import CheckpointChain, Entry
@@ -67,7 +68,7 @@ def _check_file(chain: "CheckpointChain", e: "Entry", steps: set[int]) -> list[P
         data = chain.storage.read(e.file)
     except FileNotFoundError:
         return out + [Problem("committed checkpoint file is missing", e.step, where, fix=FIX_FILE)]
-    damaged = sha256(data) != e.sha256
+    damaged = not file_matches(e, data)
     if damaged:
         out.append(Problem("file does not match its index checksum", e.step, where, fix=FIX_FILE))
     try:
@@ -88,13 +89,21 @@ def _damaged_records(data: bytes, step: int, where: str) -> list[Problem]:
         c = decode_container(data, name=where, verify_blobs=False)
     except (CkptzipError, OSError):
         return []  # the header itself is damaged: the file's problem line already says so
-    owner = {k: n for n, r in c.manifest.get("records", {}).items() for k in r.get("blobs", {}).values()}
+    records = c.manifest.get("records", {})
+    owner = {k: n for n, r in records.items() for k in r.get("blobs", {}).values()}
+    grouped: dict[str, list[str]] = {}  # group blob -> the records whose words it holds (stage group/1)
+    for n, r in records.items():
+        g = r.get("meta", {}).get("group") if isinstance(r.get("meta"), dict) else None
+        if isinstance(g, list) and g and isinstance(g[0], str):
+            grouped.setdefault(g[0], []).append(n)
     out = []
     for k, blob in c.blobs.items():
         if sha256(blob) != c.manifest["blobs"][k].get("sha256"):
-            what = f"record {owner[k]!r}" if k in owner else f"shared blob {k!r}"
-            out.append(Problem(f"{what} is damaged (blob {k} fails its checksum)", step, where,
-                               record=owner.get(k), fix=FIX_FILE))
+            names = [owner[k]] if k in owner else grouped.get(k, [])
+            what = f"shared blob {k!r}" if not names else f"record {names[0]!r}" + (
+                f" and {len(names) - 1} more record(s) in group blob {k!r}" if len(names) > 1 else "")
+            out.append(Problem(f"{what} {'are' if len(names) > 1 else 'is'} damaged (blob {k} fails its checksum)",
+                               step, where, record=names[0] if names else None, fix=FIX_FILE))
     return out
 
 

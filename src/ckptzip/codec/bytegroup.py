@@ -10,6 +10,10 @@ Blob layout: ``u8 width | u8 flags(bit0: rotated) | u64 n_words | u32 plane_len[
 (little-endian; planes most-significant byte first). A plane that zstd cannot shrink is stored raw
 (its length has bit 31 set).
 
+Planes are zstd frames compressed with ``frames.zstd_compress(plane=True)`` (the level's match
+finder narrowed to long matches: faster and smaller on planes); ``plane=False`` is the plain-level
+reference. Both are standard zstd frames: the reader does not know which wrote them.
+
 Speed: splitting words into planes (and, for a delta, XOR with the previous words) is one numba
 pass (``backend="auto"``); the numpy reference below gives the same planes (tests compare). The
 same for the merge on decompress.
@@ -68,9 +72,10 @@ def merge_planes(planes: np.ndarray, rotate: bool, dtype, *, backend: str = "aut
 
 
 def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, level: int = 3,
-             prev: bytes | memoryview | None = None) -> bytes:
+             prev: bytes | memoryview | None = None, plane: bool = True) -> bytes:
     """Byte-grouped zstd of ``raw`` (``width``-byte words); ``prev``: words of the same size to XOR
-    with first (what a delta against the previous checkpoint stores), in the same pass."""
+    with first (what a delta against the previous checkpoint stores), in the same pass; ``plane``:
+    frames tuned for byte planes (False: zstd's plain ``level``)."""
     raw = memoryview(raw).cast("B")
     if width not in _UINT or len(raw) % width:
         raise ValueError(f"byte grouping needs a width in {sorted(_UINT)} dividing the data, got {width}")
@@ -85,7 +90,7 @@ def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, le
     planes = split_planes(words, rotate, prev)  # (width, n): MSB plane first
     parts = []
     for p in planes:
-        c = zstd_compress(p.data, level)
+        c = zstd_compress(p.data, level, plane=plane)
         parts.append(p.data if len(c) >= p.size else c)  # a plane zstd cannot shrink is stored raw
     lens = [len(c) | (_RAW if isinstance(c, memoryview) else 0) for c in parts]
     head = struct.pack(f"<BBQ{width}I", width, int(rotate), len(words), *lens)

@@ -24,14 +24,13 @@ the method named in each file; ``RankFile.chunk_index()`` maps (fqn, offsets) to
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 
 import torch
 import zstandard
 
 from ..errors import CorruptCheckpointError, malformed
-from ..format import decode_container, encode_container, sha256
+from ..format import decode_container, encode_container, header_sha256, sha256
 from ..methods.base import DecodeContext, Encoded, Method, method_for_file
 from ..state import TensorRecord
 from ..tensorbytes import to_numpy_bits
@@ -46,8 +45,7 @@ LOSSLESS_METHODS = frozenset({"lossless", "bitsnap-lossless"})  # decode must re
 
 def digest(data: bytes | memoryview) -> str:
     """SHA-256 of the container's header (see the module docstring)."""
-    n = struct.unpack("<Q", bytes(data[:8]))[0] if len(data) >= 8 else 0
-    return sha256(memoryview(data)[:8 + n])
+    return header_sha256(data)
 
 
 def pack(shard: ShardState, enc: Encoded, method: Method, *, step: int, rank: int, world_size: int,

@@ -51,6 +51,14 @@ class RunResult:
     def overhead(self) -> float:
         return self.ckpt_s / self.train_s if self.train_s else math.nan
 
+    def slowdown(self, reference: "RunResult") -> float:
+        """Training time per executed step, save blocking included, over the reference's, minus 1: what
+        the checkpoints cost the loop, a slower training step (an agent competing for the CPU) included."""
+        mine, ref = len(self.losses), len(reference.losses)
+        if not (mine and ref and reference.train_s):
+            return math.nan
+        return ((self.train_s + self.ckpt_s) / mine) / (reference.train_s / ref) - 1
+
     def degradation(self, reference: "RunResult") -> float:
         """Relative end-to-end degradation vs the reference run (positive = worse)."""
         b, x = reference.final_metric, self.final_metric

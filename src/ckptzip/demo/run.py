@@ -1,12 +1,16 @@
 """``ckptzip demo``: the main job. Fault-tolerant training on real workloads, one run per method."""
 from __future__ import annotations
 
+import os
 import pathlib
 import time
+
+import torch
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ..engine.options import EngineOptions
 from ..errors import ConfigError
 from ..methods.base import available_methods
 from . import workloads as W
@@ -44,6 +48,28 @@ def main(workloads=DEFAULT_WORKLOADS, methods=None, failures: int | None = None,
     chosen = list(methods) if methods else [m for m in DEFAULT_METHODS if m in have]
     results = []
     t_start = time.perf_counter()
+    threads = torch.get_num_threads()
+    if async_save:
+        # the agent takes its own cores; a trainer whose OpenMP pool oversubscribes the CPU stalls
+        # (steps up to 100x slower, measured on 2 cores): the async demo trains on the rest, and so does
+        # its uncompressed reference, so the "step time" column compares like with like
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - EngineOptions().threads))
+    trainer_threads = torch.get_num_threads()
+    try:
+        results = _runs(workloads, chosen, methods, failures, full, threshold, async_save, console)
+    finally:
+        torch.set_num_threads(threads)
+    print_table(results, console)
+    meta = {"workloads": {w: workload_for(w, full).description for w in workloads}, "methods": chosen,
+            "failures": failures, "threshold": threshold, "full": full, "async": async_save,
+            "trainer_threads": trainer_threads, "wall_s": round(time.perf_counter() - t_start, 1)}
+    files = write_report(results, pathlib.Path(out), meta)
+    console.print(f"report: {', '.join(str(f) for f in files)}  ({meta['wall_s']} s)")
+    return results
+
+
+def _runs(workloads, chosen, methods, failures, full, threshold, async_save, console) -> list:
+    results = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as prog:
         for wname in workloads:
@@ -59,12 +85,6 @@ def main(workloads=DEFAULT_WORKLOADS, methods=None, failures: int | None = None,
                 prog.update(task, completed=wl.total_steps,
                             description=label + (f" ratio {r.ratio:.1f}x" if method else ""))
                 results.append(r)
-    print_table(results, console)
-    meta = {"workloads": {w: workload_for(w, full).description for w in workloads}, "methods": chosen,
-            "failures": failures, "threshold": threshold, "full": full,
-            "wall_s": round(time.perf_counter() - t_start, 1)}
-    files = write_report(results, pathlib.Path(out), meta)
-    console.print(f"report: {', '.join(str(f) for f in files)}  ({meta['wall_s']} s)")
     return results
 
 

@@ -8,6 +8,7 @@ engine.py's docstring.
 from .distributed import newest_common_step
 from .engine import AsyncCheckpointEngine
 from .handle import SaveHandle
-from .options import BackpressureWarning, EngineOptions
+from .options import BackpressureWarning, EngineOptions, OversubscriptionWarning
 
-__all__ = ["AsyncCheckpointEngine", "EngineOptions", "SaveHandle", "BackpressureWarning", "newest_common_step"]
+__all__ = ["AsyncCheckpointEngine", "EngineOptions", "SaveHandle", "BackpressureWarning", "OversubscriptionWarning",
+           "newest_common_step"]

@@ -276,11 +276,11 @@ def main() -> int:
         sys.path.extend(p for p in spec.get("sys_path", []) if p not in sys.path)  # the trainer's, for imports
         for mod in opts.get("agent_imports") or ():
             importlib.import_module(mod)
-        if opts.get("agent_nice"):
-            os.nice(int(opts["agent_nice"]))
         import torch
 
-        torch.set_num_threads(int(opts.get("agent_threads") or max(1, (os.cpu_count() or 2) // 2)))
+        from .options import EngineOptions
+
+        torch.set_num_threads(EngineOptions(agent_threads=opts.get("agent_threads")).threads)
         agent = _Agent(spec, out)
     except BaseException as e:
         try:

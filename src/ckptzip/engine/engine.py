@@ -59,9 +59,12 @@ them into save / wait / restore / close.
   the first R saves pay for it, later ones reuse the pages).
 - **What training waits for**: flatten (pointers only), one memmove per CPU tensor into the slot (or
   a device-to-host copy into the page-locked slot on CUDA), the header and the marker. The
-  command to the agent leaves from a thread. The agent runs at ``agent_nice`` (10): on a machine
-  whose cores all train, compression takes the idle time instead of slowing the steps, and a save
-  waits (BackpressureWarning) only when the agent is ``redundancy`` saves behind.
+  command to the agent leaves from a thread. The agent runs at ``agent_nice`` (10) with
+  ``agent_threads`` torch threads, both set before it imports anything: compression takes the idle
+  time instead of slowing the steps, and a save waits (BackpressureWarning) only when the agent is
+  ``redundancy`` saves behind. A trainer computing on the CPU must leave the agent its cores (an
+  OpenMP pool that loses a core stalls at every barrier): ``Compressor`` warns
+  (OversubscriptionWarning) when its torch threads and the agent's exceed the cores.
 - **Failures in the agent** are re-raised by ``handle.wait()``, ``handle.committed.wait()`` and
   ``engine.wait()`` as :class:`AgentError` carrying the agent's traceback (``.agent_traceback``,
   ``.exc_type``, ``.errno``, ``.step``). A failed step is not retried in this life; it stays

@@ -1,6 +1,8 @@
 """Runtime knobs of the asynchronous engine (not written into checkpoints), and its warning."""
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass
 
 from ..configcheck import OneOf, Range, check_fields
@@ -39,6 +41,29 @@ class EngineOptions:
                      takeover_timeout_s=seconds, orphan_linger_s=seconds, max_agent_restarts=Range(ge=0),
                      agent_threads=Range(ge=1), checksum_by=OneOf(("agent", "trainer")), rank=Range(ge=0))
 
+    @property
+    def threads(self) -> int:
+        """The agent's torch threads: ``agent_threads``, else half the cores (at least 1)."""
+        return self.agent_threads or max(1, (os.cpu_count() or 2) // 2)
+
 
 class BackpressureWarning(UserWarning):
     """A save waited for the agent: it is ``redundancy`` saves behind."""
+
+
+class OversubscriptionWarning(UserWarning):
+    """A trainer computing on the CPU leaves the agent no core of its own."""
+
+
+def warn_if_oversubscribed(model, options: EngineOptions) -> None:
+    """Warn when a CPU trainer's torch threads and the agent's exceed the cores: an OpenMP pool that
+    loses a core to another process stalls at every barrier (demo steps 100x slower on 2 cores)."""
+    import torch
+
+    cores = os.cpu_count() or 1
+    on_cpu = any(p.device.type == "cpu" for p in model.parameters())
+    if on_cpu and torch.get_num_threads() + options.threads > cores:
+        warnings.warn(OversubscriptionWarning(
+            f"async saves: the trainer uses {torch.get_num_threads()} torch threads and the agent {options.threads} "
+            f"on {cores} cores; call torch.set_num_threads({max(1, cores - options.threads)}) in the trainer "
+            f"(or lower EngineOptions.agent_threads) so training keeps its speed"), stacklevel=3)

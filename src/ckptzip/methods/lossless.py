@@ -3,12 +3,24 @@
 Between consecutive checkpoints most weights move by a few ulps, so the XOR of their bit patterns
 has long runs of zero high bits -- the sign/exponent plane becomes almost all zeros and zstd
 removes it. The reference is the previous checkpoint's exact tensors.
+
+Small records (under ``group_below`` bytes: biases, norms, scalars) are not compressed one by one
+(four zstd frames and a checksum each would cost more than their bytes): the words of all small
+records of one width and kind (float or not) are concatenated, each XORed with its parent where it
+has one, into one byte-grouped blob ``group.<width><f|i>``, and each such record names its words
+as ``meta.group = [blob key, offset, count]`` (pipeline stage ``group/1``). ``group_below = 0``
+gives every record its own blob (the layout before issue 15; both decode the same way).
+
+Decode recipe: per record, its words from its own blob or its group's (each group blob
+decompressed once per file), viewed as the record's dtype and shape, XORed with the parent's
+bits when the pipeline says ``xor/1``.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..codec import bytegroup
@@ -50,32 +62,62 @@ class LosslessMethod(Method):
     version = 1
     config_cls = LosslessConfig
 
+    group_below = 16384  # records under this many bytes share a group blob (0: every record its own)
+
     def encode(self, state: FlatState, reference: Reference | None, *, ctx: EncodeContext) -> tuple[Encoded, Reference]:
         prev = reference.exact if reference is not None else None
         enc = Encoded(keyframe=prev is None)
         level = self.config.zstd_level
 
-        def one(name: str):  # XOR, byte planes and zstd of one tensor (threads: none of it holds the GIL)
+        def prepare(name: str):  # the tensor, its parent's bits when it is XORed, its pipeline
             t = state.tensors[name].detach().cpu().contiguous()
             p = prev.get(name) if prev is not None else None
             xor = p is not None and p.dtype == t.dtype and p.shape == t.shape and t.numel() > 0
+            pipeline = [S.LOSSLESS.descriptor] + ([S.XOR.descriptor] if xor else [])
+            return t, (to_numpy_bits(p) if xor else None), pipeline
+
+        def one(name: str):  # XOR, byte planes and zstd of one tensor (threads: none of it holds the GIL)
+            t, p, pipeline = prepare(name)
             data = bytegroup.compress(to_numpy_bits(t), t.element_size(), float_bits=t.is_floating_point(),
-                                      level=level, prev=to_numpy_bits(p) if xor else None)
-            pipeline = [S.LOSSLESS.descriptor] + ([S.XOR.descriptor] if xor else []) + [S.BYTEGROUP.descriptor]
-            return pipeline, data, t.clone()
+                                      level=level, prev=p)
+            return pipeline + [S.BYTEGROUP.descriptor], data, t.clone()
 
         names = list(state.records)
-        ref = {}
-        for name, (pipeline, data, copy) in zip(names, thread_map(one, names)):
-            enc.add(name, pipeline, {}, data=data)
-            ref[name] = copy
-        return enc, LosslessReference(ctx.step, ref)
+        small = [n for n in names if _nbytes(state.tensors[n]) < self.group_below]
+        large = [n for n in names if _nbytes(state.tensors[n]) >= self.group_below]
+        ref, metas, groups = {}, {}, {}
+        for name in small:
+            t, p, pipeline = prepare(name)
+            key = f"group.{t.element_size()}{'f' if t.is_floating_point() else 'i'}"
+            words, parents, size = groups.setdefault(key, ([], [], [0]))
+            bits = to_numpy_bits(t)
+            metas[name] = (pipeline + [S.GROUP.descriptor, S.BYTEGROUP.descriptor],
+                           {"group": [key, size[0], int(bits.size)]})
+            size[0] += bits.size
+            words.append(bits)
+            parents.append(p if p is not None else np.zeros_like(bits))  # XOR with zeros: the bits
+            ref[name] = t.clone()
+        for key, (words, parents, _) in groups.items():
+            width, is_float = int(key[len("group."):-1]), key.endswith("f")
+            enc.blobs[key] = bytegroup.compress(np.concatenate(words), width, float_bits=is_float, level=level,
+                                                prev=np.concatenate(parents))
+        coded = dict(zip(large, thread_map(one, large)))
+        for name in names:  # records in the state's order
+            if name in metas:
+                enc.add(name, *metas[name])
+            else:
+                pipeline, data, ref[name] = coded[name]
+                enc.add(name, pipeline, {}, data=data)
+        return enc, LosslessReference(ctx.step, {n: ref[n] for n in names})
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
-        out = {}
+        out, groups = {}, {}
         for name, rec in records.items():
-            raw = bytegroup.decompress(encoded.blob(name, "data"))
+            if S.GROUP.descriptor in encoded.records[name]["pipeline"]:
+                raw = _group_words(encoded, name, groups)
+            else:
+                raw = bytegroup.decompress(encoded.blob(name, "data"))
             t = tensor_from_bytes(raw, rec.dtype, rec.shape)
             if S.XOR.descriptor in encoded.records[name]["pipeline"]:
                 p = reference.exact.get(name) if reference is not None else None
@@ -84,3 +126,24 @@ class LosslessMethod(Method):
                 t = torch.bitwise_xor(_bits(t), _bits(p)).view(t.dtype)
             out[name] = t
         return out, LosslessReference(ctx.step, dict(out))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _group_words(encoded: Encoded, name: str, groups: dict[str, memoryview]) -> memoryview:
+    """The bytes of a grouped record's words (its group blob decompressed once, kept in ``groups``)."""
+    g = encoded.records[name]["meta"].get("group")
+    if not (isinstance(g, list) and len(g) == 3 and isinstance(g[0], str) and g[0] in encoded.blobs
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in g[1:])):
+        raise CorruptCheckpointError(f"record {name!r}: meta.group {g!r} is not [blob key, offset, count] of a blob "
+                                     "in the file")
+    key, off, n = g
+    if key not in groups:
+        groups[key] = memoryview(bytegroup.decompress(encoded.blobs[key]))
+    buf = groups[key]
+    width = encoded.blobs[key][0]  # the byte-grouped blob's first byte: its word width
+    if (off + n) * width > buf.nbytes:
+        raise CorruptCheckpointError(f"record {name!r}: words {off}..{off + n} lie outside group blob {key!r}")
+    return buf[off * width:(off + n) * width]
