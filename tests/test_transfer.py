@@ -60,6 +60,9 @@ def test_states_check_orders_mild_before_destructive(bert):
     assert all(t.shape == (int(inputs["attention_mask"].sum()), 64) for t in out.tensors)
     mild, coarse, destructive = (_degradation(model, eval_fn, b, p) for b, p in ((64, 0.0), (8, 0.0), (3, 0.5)))
     assert 0 < mild < 0.01 < coarse < destructive  # farther from the exact states as the damage grows
+    # the default's calibration (0.01 / POINT: points of fine-tuned accuracy) scales the same distance
+    calibrated = P.states_check(inputs, scale=0.01 / P.POINT)
+    assert _degradation(model, calibrated, 8) == pytest.approx(coarse * 0.01 / P.POINT)
     pooled = P.states_check(inputs, layers=[-1], pool="mean")
     assert pooled(model).tensors[0].shape == (12, 64)
     assert 0 < _degradation(model, pooled, 64) < _degradation(model, pooled, 3, 0.5)
@@ -84,6 +87,7 @@ def test_checks_refuse_bad_input_in_one_line(bert):
         (lambda: P.states_check({**inputs, "attention_mask": inputs["attention_mask"] * 2}), "0/1"),
         (lambda: P.states_check(inputs, distance="l1"), "distance"),
         (lambda: P.states_check(inputs, pool="max"), "pool"),
+        (lambda: P.states_check(inputs, scale=0.0), "scale"),
         (lambda: P.probe_check(inputs, [0, 1]), "class indices"),
         (lambda: P.probe_check(inputs, [0] * 12), "at least 2 classes"),
         (lambda: P.retrieval_check(inputs, {k: v[:5] for k, v in inputs.items()}), "pairs rows"),

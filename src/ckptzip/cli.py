@@ -128,7 +128,8 @@ def compress(
         help="relative quality budget per checkpoint for methods with a config search (needs --eval)")] = None,
     eval_spec: Annotated[Optional[str], typer.Option(
         "--eval", help="module:function returning (model, eval_fn); pretrained:HF_FOLDER judges a pretrained "
-                  "encoder's hidden states (pretrained-retrieval:HF_FOLDER, pretrained-probe:...: other checks)")] = None,
+                  "encoder's hidden states, the threshold in points of fine-tuned accuracy (pretrained-states-raw:"
+                  "HF_FOLDER, pretrained-probe:..., pretrained-retrieval:...: other checks)")] = None,
     higher_is_better: Annotated[bool, typer.Option(
         "--higher-is-better", help="eval_fn is a score, not a loss")] = False,
 ) -> None:
@@ -307,7 +308,7 @@ def demo(
     transfer: Annotated[bool, typer.Option("--transfer", help="transfer-learning study (MiniLM)")] = False,
     async_save: Annotated[bool, typer.Option("--async", help="save through the asynchronous engine")] = False,
     transfer_check: Annotated[Optional[str], typer.Option(
-        "--transfer-check", help="quality check for --transfer: states | probe | retrieval [default: states]")] = None,
+        "--transfer-check", help="quality check for --transfer: states | states-raw | probe | retrieval [default: states]")] = None,
     transfer_space: Annotated[str, typer.Option(
         "--transfer-space", help="search space for --transfer: pretrained | paper | finetune")] = "pretrained",
     transfer_thresholds: Annotated[str, typer.Option(

@@ -30,7 +30,9 @@ Several outputs, or another distance: ``eval_fn`` may return ``Outputs(tensors, 
     "relative"   ||y - y0|| / ||y0||
     "cosine"     mean over rows (all dims but the last) of 1 - cos(y_row, y0_row)
 
-A bare tensor is ``Outputs((tensor,), "relative")``. search/pretrained.py builds such checks for
+A bare tensor is ``Outputs((tensor,), "relative")``. ``Outputs(..., scale=c)`` reports ``c`` times
+that distance: a calibration into the units the threshold is meant in (search/pretrained.py's
+default check: points of fine-tuned accuracy). search/pretrained.py builds such checks for
 pretrained encoders.
 
 Evaluation happens on a scratch copy of the model (one deepcopy per search, reused for every
@@ -76,6 +78,7 @@ class Outputs:
 
     tensors: tuple
     distance: str = "relative"
+    scale: float = 1.0  # the degradation is scale x the distance (a calibration; see the module docstring)
 
     def __post_init__(self):
         t = tuple(self.tensors) if isinstance(self.tensors, list | tuple) else (self.tensors,)
@@ -84,6 +87,8 @@ class Outputs:
                               f"{[type(x).__name__ for x in t] or 'none'}")
         if self.distance not in DISTANCES:
             raise ConfigError(f"Outputs.distance must be one of {DISTANCES}, got {self.distance!r}")
+        if not (isinstance(self.scale, int | float) and math.isfinite(self.scale) and self.scale > 0):
+            raise ConfigError(f"Outputs.scale must be a finite number > 0, got {self.scale!r}")
         object.__setattr__(self, "tensors", t)
 
     def shapes(self) -> list[tuple]:
@@ -91,7 +96,7 @@ class Outputs:
 
 
 def output_distance(out: Outputs, ref: Outputs) -> float:
-    """The mean over tensors of ``out.distance`` between ``out`` and the reference outputs."""
+    """``out.scale`` x the mean over tensors of ``out.distance`` between ``out`` and the reference outputs."""
     ds = []
     for y, y0 in zip(out.tensors, ref.tensors):
         y = y.detach().to(y0)
@@ -101,7 +106,7 @@ def output_distance(out: Outputs, ref: Outputs) -> float:
             rows = y.reshape(-1, y.shape[-1]) if y.dim() > 1 else y.reshape(1, -1)
             rows0 = y0.reshape(-1, y0.shape[-1]) if y0.dim() > 1 else y0.reshape(1, -1)
             ds.append(float((1 - torch.nn.functional.cosine_similarity(rows, rows0, dim=-1)).clamp(min=0).mean()))
-    d = sum(ds) / len(ds)
+    d = out.scale * sum(ds) / len(ds)
     return d if math.isfinite(d) else math.inf
 
 
@@ -225,7 +230,7 @@ class QualityJudge:
             if not all(bool(torch.isfinite(x).all()) and float(x.norm()) > 0.0 for x in ref):
                 raise NonFiniteError("eval_fn's outputs for the uncompressed state are all zero or not finite; "
                                      "the config search needs outputs to compare against")
-            self._outputs = Outputs(tuple(ref), first.distance)
+            self._outputs = Outputs(tuple(ref), first.distance, first.scale)
             self.baseline = 0.0
         else:
             self.baseline = _scalar(first)
@@ -269,10 +274,11 @@ class QualityJudge:
         if self._outputs is None:
             return _scalar(out)
         ref = self._outputs
-        if not isinstance(out, Outputs) or out.shapes() != ref.shapes() or out.distance != ref.distance:
-            got = f"{out.distance} {out.shapes()}" if isinstance(out, Outputs) else type(out).__name__
-            raise ConfigError(f"eval_fn returned {ref.distance} outputs of shape(s) {ref.shapes()} for the exact "
-                              f"state but {got} for a candidate; return the same outputs every call")
+        kind = (ref.shapes(), ref.distance, ref.scale)
+        if not isinstance(out, Outputs) or (out.shapes(), out.distance, out.scale) != kind:
+            got = f"{out.distance} x{out.scale:g} {out.shapes()}" if isinstance(out, Outputs) else type(out).__name__
+            raise ConfigError(f"eval_fn returned {ref.distance} x{ref.scale:g} outputs of shape(s) {ref.shapes()} "
+                              f"for the exact state but {got} for a candidate; return the same outputs every call")
         return output_distance(out, ref)
 
     def degradation(self, score: float) -> float:
