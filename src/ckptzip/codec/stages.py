@@ -119,6 +119,8 @@ MOMENT_DIRECTION = _stage("moment-direction/1", "an Adam exp_avg as its directio
                           "buffer) at 1-3 bits: codes, codebook, side.scale; no blobs when meta.zero: "
                           "methods/moments.py")
 CYCLIC_DELTA = _stage("cyclic-delta/1", "codes as (parent codes - codes) mod B: codec/delta.py")
+RESIDUAL = _stage("residual/1", "the codes quantize the weight minus the parent's reconstruction of it; the weight is "
+                  "that reconstruction + the dequantized record (no cyclic delta follows): methods/quantizing.py")
 REARRANGE = _stage("rearrange/1", "deltas grouped by the parent's code (Algorithm 5): codec/delta.py")
 RLE = _stage("rle/1", "run-length stream (-value, length if >= 2): codec/rle.py")
 

@@ -31,6 +31,7 @@ from .quantizing import QuantizingMethod, QuantizingMethodConfig, upgrade_v1_con
 @dataclass(frozen=True)
 class DynaQuantMethodConfig(QuantizingMethodConfig):
     quantizer: dq.DynaQuantConfig = field(default_factory=dq.DynaQuantConfig)
+    residual: str = "restored"  # "never": the paper's re-quantization (methods/quantizing.py)
 
 
 @register
@@ -52,7 +53,7 @@ class DynaQuantMethod(QuantizingMethod):
         from ..quant.dqbatch import fast_path
         from ..quant.dqsearch import SearchSketch
 
-        tensors, grads = _weights(state, self.search_records(state), gradients)
+        tensors, grads = _weights(self.targets(state), self.search_records(state), gradients)
         if not fast_path(t for t, _, _ in tensors.values()):
             return None  # CUDA, or shards sharing sketches (dcp): quantize per candidate
         return SearchSketch(tensors, self.config.quantizer, grads, getattr(reference, "weights", None),

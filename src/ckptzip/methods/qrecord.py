@@ -1,7 +1,8 @@
 """Storing one QuantizedTensor as a chain record (shared by every quantizing method).
 
 Blobs: ``codes`` (codec/entropy.encode_codes buffer: self-describing, optionally a cyclic delta
-against the previous checkpoint's codes), ``codebook`` (fp32, n_levels values, NaN allowed; absent
+against the previous checkpoint's codes; never for a ``residual/1`` record, whose codes quantize
+the weight minus the parent's reconstruction), ``codebook`` (fp32, n_levels values, NaN allowed; absent
 with meta ``codebook: false`` for a parametric grid), and
 one blob per side tensor ``side.<key>`` (raw little-endian bytes). Meta: ``n_levels``, ``delta``,
 ``side`` = {key: [dtype, shape]}, plus the quantizer's JSON facts.
@@ -28,11 +29,14 @@ class Codes:
 
 
 def store(enc: Encoded, name: str, q: QuantizedTensor, prev: Codes | None, *, method: str, coder: str = "huffman",
-          rearrange: bool = True, rle: bool = True, meta: dict | None = None, pack: bool = False) -> Codes:
+          rearrange: bool = True, rle: bool = True, meta: dict | None = None, pack: bool = False,
+          residual: bool = False) -> Codes:
     """Add record ``name`` holding ``q``; a cyclic delta against ``prev`` when given and same size.
+    ``residual``: ``q`` quantizes the weight minus the parent's reconstruction (stage ``residual/1``;
+    its codes are never a cyclic delta, they mean something else than the parent's).
     ``pack``: the parts in one blob ``data`` (meta ``parts`` = [[part, nbytes], ...]): every blob
     costs a file ~100 bytes of header (offsets, SHA-256), which small tensors feel."""
-    if prev is not None and prev.codes.numel() != q.numel:
+    if residual or (prev is not None and prev.codes.numel() != q.numel):
         prev = None
     B = max(q.n_levels, prev.n_levels) if prev is not None else q.n_levels  # levels may change between saves
     if coder == "auto":
@@ -42,7 +46,7 @@ def store(enc: Encoded, name: str, q: QuantizedTensor, prev: Codes | None, *, me
                         coder=coder)
     stages = ([S.CYCLIC_DELTA] + ([S.REARRANGE] if rearrange else []) if prev is not None else []) + \
         ([S.RLE] if rle else []) + [S.CODER_STAGES[coder]]
-    pipeline = [method] + S.pipeline(*stages)
+    pipeline = [method] + S.pipeline(*([S.RESIDUAL] if residual else []), *stages)
     side = {k: v.detach().cpu().contiguous() for k, v in q.side.items()}
     rec_meta = {"n_levels": q.n_levels, "delta": prev is not None,
                 "side": {k: [dtype_name(v.dtype), list(v.shape)] for k, v in side.items()}, **(meta or {})}
@@ -78,6 +82,11 @@ def choose_coder(codes: torch.Tensor, prev: Codes | None) -> tuple[str, bool, bo
     same = float((codes.reshape(-1).cpu() == prev.codes.reshape(-1).to(torch.int64)).float().mean()) \
         if codes.numel() else 1.0
     return ("huffman", True, True) if same >= AUTO_RUNS_ABOVE else ("ans", False, False)
+
+
+def is_residual(enc: Encoded, name: str) -> bool:
+    """Whether record ``name`` quantizes a residual against the parent's reconstruction (``store(residual=True)``)."""
+    return S.RESIDUAL.descriptor in enc.records[name]["pipeline"]
 
 
 def load(enc: Encoded, name: str, shape, dtype: str, prev: Codes | None) -> QuantizedTensor:

@@ -12,7 +12,23 @@ runs everything else. Per checkpoint::
 
 Decode: exact records; weights (``dequantize_weight``, against the reference's codes); moments
 (moments.decode_moments). The reference is a ``QuantizedReference``: the weights' codes (and the
-moments' when they delta), so the next save codes only what changed.
+moments' when they delta), so the next save codes only what changed, and the weights'
+reconstructions where a residual may follow.
+
+Residual weights (``config.residual``). Weights restored from a k-level checkpoint sit on its
+centers; the few steps until the next save move most of them less than half a level, so quantizing
+them again (the paper) snaps them back onto the same centers and undoes those steps
+(docs/BENCHMARKS.md, issue 14). A residual record instead quantizes ``w - recon_prev``, the weight
+minus the parent's reconstruction, and decodes to ``recon_prev + dequantize(q)`` (stage
+``residual/1``; ExCP's residual, with the method's own quantizer and search)::
+
+    "never"     the paper: every save quantizes the weights themselves
+    "restored"  residuals once this writer's reference came from a decoded file (a restore, or a
+                replay after a restart) -- the weights then descend from a reconstruction -- for
+                every delta from then on, keyframes excepted
+    "always"    residuals in every delta
+
+The search judges ``recon_prev + dequantize(q)`` and estimates a residual's codes as a keyframe's.
 
 Every config nests its quantizer's config, so every knob reaches a chain::
 
@@ -62,6 +78,9 @@ class CodesConfig:
 PAPER_BASELINE_CODES = CodesConfig("huffman", rearrange=False, rle=False)  # the baselines' own encoders
 
 
+RESIDUAL_CHOICES = ("never", "restored", "always")
+
+
 @dataclass(frozen=True)
 class QuantizingMethodConfig:
     """Base of the four methods' configs; each subclass gives ``quantizer`` its quantizer's config class."""
@@ -70,20 +89,24 @@ class QuantizingMethodConfig:
     moments: moments.MomentConfig = field(default_factory=moments.MomentConfig)
     codes: CodesConfig = field(default_factory=CodesConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
+    residual: str = "never"    # weight deltas as residuals against the parent's reconstruction (module docstring)
 
     def __post_init__(self):
-        check_fields(self)
+        check_fields(self, residual=OneOf(RESIDUAL_CHOICES))
 
 
 @dataclass(frozen=True)
 class QuantizedReference(Reference):
-    """The previous save's codes: weights' (delta methods) and moments' (``MomentConfig.delta``)."""
+    """The previous save's codes: weights' (delta methods) and moments' (``MomentConfig.delta``);
+    ``recon``: the quantized weights as decoded (what a residual record is added to)."""
 
     weights: Mapping[str, qrecord.Codes] = field(default_factory=dict)
     moments: moments.MomentReference | None = None
+    recon: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     def tensors(self) -> Iterator[torch.Tensor]:
         yield from (c.codes for c in self.weights.values())
+        yield from self.recon.values()
         if self.moments is not None:
             yield from self.moments.tensors()
 
@@ -97,8 +120,13 @@ class QuantizingMethod(Method):
 
     def __init__(self, config=None, **overrides):
         super().__init__(config, **overrides)
-        self.space()  # validates config.search.space now rather than at the first save
         self.search_state = None  # the config search's memory between saves (previous best, ...)
+        self.restored = False     # a decoded reference reached this writer: its weights descend from one
+        self._bases: dict[str, torch.Tensor] = {}  # this save's residual bases (parent reconstructions)
+        self._targets_of: tuple | None = None      # (state, its tensors with residuals in place)
+        self.space()  # validates config.search.space now rather than at the first save
+        if self.config.search.residual_space is not None:
+            self.space_cls.from_any(self.config.search.residual_space)
 
     # --- what a method supplies ---------------------------------------------------------------
     @abstractmethod
@@ -113,7 +141,17 @@ class QuantizingMethod(Method):
 
     # --- search hooks -------------------------------------------------------------------------
     def space(self) -> Space:
-        return self.space_cls.from_any(self.config.search.space)
+        """The search space of this save: ``search.residual_space`` while residuals are quantized."""
+        s = self.config.search
+        if self._bases:
+            return self.space_cls.from_any(s.residual_space) if s.residual_space is not None \
+                else self.space_cls.for_residuals()
+        return self.space_cls.from_any(s.space)
+
+    @property
+    def search_policy(self) -> str:
+        """The search policy of this save: ``search.residual_policy`` while residuals are quantized."""
+        return self.config.search.residual_policy if self._bases else self.config.search.policy
 
     @property
     def search_coding(self) -> str:
@@ -136,8 +174,9 @@ class QuantizingMethod(Method):
         qcfg = replace(self.config.quantizer, **knobs) if knobs else self.config.quantizer
         return self._quantize(state, qcfg, gradients)
 
-    def search_dequantize(self, q: QuantizedTensor) -> torch.Tensor:
-        return self.dequantize_weight(q)
+    def search_dequantize(self, q: QuantizedTensor, name: str | None = None) -> torch.Tensor:
+        """What the decoder rebuilds from ``q``, record ``name``'s quantization in this save."""
+        return self._reconstruct(q, self._bases.get(name) if name is not None else None)
 
     def choose_knobs(self, state: FlatState, reference, ctx: EncodeContext) -> tuple[dict, dict]:
         """This checkpoint's quantizer knob overrides and the search info for the manifest summary."""
@@ -148,7 +187,13 @@ class QuantizingMethod(Method):
             return {}, {"search": "off"}
         from ..search.strategies import search_config  # search/ imports methods lazily too
 
-        knobs, info, self.search_state = search_config(self, state, reference, ctx, self.search_state)
+        # residual saves search their own space and keep their own history (a residual is far more
+        # compressible than the weights: the weights' monotone history would hold it back)
+        st = dict(self.search_state or {})
+        mine = st.pop("residual", None) if self._bases else {k: v for k, v in st.items() if k != "residual"} or None
+        knobs, info, new = search_config(self, state, reference, ctx, mine)
+        self.search_state = {**st, "residual": new} if self._bases else \
+            {**new, **({"residual": st["residual"]} if "residual" in st else {})}
         return knobs, info
 
     def search_reference(self, state: FlatState, knobs: dict, gradients, step: int) -> "QuantizedReference":
@@ -165,23 +210,63 @@ class QuantizingMethod(Method):
     # --- the loop -----------------------------------------------------------------------------
     def _quantize(self, state: FlatState, qcfg, gradients) -> dict[str, QuantizedTensor]:
         out = {}
-        for name, q in self.quantize_weights(state, self.search_records(state), qcfg, gradients):
+        for name, q in self.quantize_weights(self.targets(state), self.search_records(state), qcfg, gradients):
             # narrow codes at once: int64 codes of the whole state would peak at 2x its size
             q.codes = qrecord.compact(q.codes, q.n_levels)
             out[name] = q
         return out
 
+    # --- residual weights ---------------------------------------------------------------------
+    def targets(self, state: FlatState) -> FlatState:
+        """``state`` with each weight that has a residual base in this save replaced by its residual."""
+        if not self._bases:
+            return state
+        if self._targets_of is None or self._targets_of[0] is not state:
+            tensors = dict(state.tensors)
+            for n, base in self._bases.items():
+                tensors[n] = state.tensors[n].detach().float() - base.float()
+            self._targets_of = (state, FlatState(tensors, state.records, state.skeleton, state.extra))
+        return self._targets_of[1]
+
+    def _residual_bases(self, state: FlatState, prev: "QuantizedReference | None") -> dict[str, torch.Tensor]:
+        """Record -> the parent's reconstruction, for the weights this save codes as residuals."""
+        if prev is None or self.config.residual == "never":
+            return {}
+        self.restored = self.restored or bool(prev.recon)
+        return {n: b for n, b in prev.recon.items()
+                if n in state.tensors and tuple(b.shape) == tuple(state.tensors[n].shape)}
+
+    def _keeps_recon(self) -> bool:
+        r = self.config.residual
+        return r == "always" or (r == "restored" and self.restored)
+
+    def _reconstruct(self, q: QuantizedTensor, base: torch.Tensor | None) -> torch.Tensor:
+        """The weight the decoder rebuilds: ``dequantize(q)``, plus ``base`` for a residual."""
+        if base is None:
+            return self.dequantize_weight(q)
+        return (base.float() + self.dequantize_weight(replace(q, dtype="float32"))).to(base.dtype)
+
     def encode(self, state: FlatState, reference: Reference | None, *, ctx: EncodeContext) -> tuple[Encoded, Reference]:
         cfg = self.config
-        t0 = time.perf_counter()
-        knobs, search_info = self.choose_knobs(state, reference, ctx)
-        search_s = time.perf_counter() - t0
-        qcfg = replace(cfg.quantizer, **knobs) if knobs else cfg.quantizer
         prev = reference if isinstance(reference, QuantizedReference) else None
         if reference is not None and prev is None:
             raise ConfigError(f"{self.name} was given a reference it did not make; pass the Reference its "
                               "encode/decode returned, or None for a keyframe")
-        quantized = self._quantize(state, qcfg, ctx.gradients)
+        self._bases = self._residual_bases(state, prev)
+        try:
+            t0 = time.perf_counter()
+            # a residual's codes are estimated as a keyframe's: they are not deltas of the parent's codes
+            search_ref = replace(prev, weights={n: c for n, c in prev.weights.items() if n not in self._bases}) \
+                if self._bases else reference
+            knobs, search_info = self.choose_knobs(state, search_ref, ctx)
+            search_s = time.perf_counter() - t0
+            qcfg = replace(cfg.quantizer, **knobs) if knobs else cfg.quantizer
+            quantized = self._quantize(state, qcfg, ctx.gradients)
+            bases = self._bases
+        finally:
+            self._bases, self._targets_of = {}, None
+        recon = {} if not self._keeps_recon() else \
+            {n: self._reconstruct(q, bases.get(n)) for n, q in quantized.items()}
         enc = Encoded(keyframe=prev is None or not (self.delta_weights or self._moment_deltas))
         stage = S.QUANTIZED_RECORD[self.name].descriptor  # the qrecord layout, unchanged since v0.1
         planned = moments.plan_moments(state, cfg.moments, None if enc.keyframe else prev.moments,
@@ -199,13 +284,14 @@ class QuantizingMethod(Method):
                 p = None if enc.keyframe else prev.weights.get(name)
                 meta = {k: v for k, v in q.meta.items() if k in qrecord.RECORD_META}
                 codes_w[name] = qrecord.store(enc, name, q, p, method=stage, coder=cfg.codes.coder,
-                                              rearrange=cfg.codes.rearrange, rle=cfg.codes.rle, meta=meta)
+                                              rearrange=cfg.codes.rearrange, rle=cfg.codes.rle, meta=meta,
+                                              residual=name in bases)
         # an async save's search ran in the trainer (asyncsearch.py): its info carries its own search_s
         enc.meta["summary"] = {**{k: getattr(qcfg, k) for k in self._knob_names()}, "search_s": round(search_s, 3),
-                               **search_info}
+                               **search_info, **({"residual": True} if bases else {})}
         if self.search_state is not None:
             enc.meta["search_state"] = self.search_state  # read back by resume() after a restart
-        return enc, self._reference(ctx.step, codes_w, codes_m)
+        return enc, self._reference(ctx.step, codes_w, codes_m, recon)
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
@@ -219,20 +305,29 @@ class QuantizingMethod(Method):
                 moment_records[name] = rec
             else:
                 q = qrecord.load(encoded, name, rec.shape, rec.dtype, prev.weights.get(name) if prev else None)
+                base = None
+                if qrecord.is_residual(encoded, name):
+                    base = prev.recon.get(name) if prev else None
+                    if base is None or tuple(base.shape) != tuple(rec.shape):
+                        raise CorruptCheckpointError(f"record {name!r} is a residual but its parent checkpoint "
+                                                     "has no reconstruction of that shape for it")
                 try:
-                    out[name] = self.dequantize_weight(q)
+                    out[name] = self._reconstruct(q, base)
                 except ValueError as e:
                     raise CorruptCheckpointError(f"record {name!r}: {e}") from None
                 codes_w[name] = qrecord.Codes(qrecord.compact(q.codes, q.n_levels), q.n_levels)
         weight_shapes = {r.param: r.shape for r in records.values() if r.role == "weight" and r.param is not None}
         mref = moments.decode_moments(encoded, moment_records, prev.moments if prev else None, out,
                                       self._moment_deltas, weight_shapes)
-        ref = self._reference(ctx.step, codes_w, mref.codes if mref is not None else {})
+        # every decoded weight stays a possible residual base: the writer that takes this reference over
+        # decides (its config.residual), and a residual record's parent may be of another config
+        ref = self._reference(ctx.step, codes_w, mref.codes if mref is not None else {},
+                              {n: out[n] for n in codes_w})
         return {n: t.to(ctx.device) for n, t in out.items()}, ref
 
-    def _reference(self, step: int, codes_w: dict, codes_m: dict) -> QuantizedReference:
+    def _reference(self, step: int, codes_w: dict, codes_m: dict, recon: dict) -> QuantizedReference:
         return QuantizedReference(step, codes_w if self.delta_weights else {},
-                                  moments.MomentReference(codes_m) if self._moment_deltas else None)
+                                  moments.MomentReference(codes_m) if self._moment_deltas else None, recon)
 
     @property
     def _moment_deltas(self) -> bool:

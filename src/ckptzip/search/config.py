@@ -4,6 +4,8 @@
 
 ``space`` narrows the method's search space (search/spaces.py: a dict of that space's fields, each
 a list of the values its knob may take); None is the paper's table for the method.
+``residual_space``: the space of saves that quantize residuals against the parent's reconstruction
+(``residual`` in the method's config); None is the space class's ``for_residuals()``.
 """
 from __future__ import annotations
 
@@ -20,6 +22,11 @@ class SearchConfig:
     policy: str = "monotone"         # "monotone": never more aggressive than the previous best; "free"
     neighbourhood: int = 1           # e: axis steps from the previous best in the steady state
     space: dict | None = None        # fields of the method's space class; None: the paper's table
+    residual_space: dict | None = None  # the same for residual saves (methods/quantizing.py); None:
+                                        # the space class's ``for_residuals()``
+    residual_policy: str = "free"    # the policy of residual saves: what a residual costs is the drift
+                                     # of one interval, which does not grow as training goes on
 
     def __post_init__(self):
-        check_fields(self, policy=OneOf(SEARCH_POLICIES), neighbourhood=Range(ge=0))
+        check_fields(self, policy=OneOf(SEARCH_POLICIES), residual_policy=OneOf(SEARCH_POLICIES),
+                     neighbourhood=Range(ge=0))

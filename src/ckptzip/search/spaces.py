@@ -90,6 +90,11 @@ class Space:
             return cls(**obj)
         raise ConfigError(f"search space must be a {cls.__name__} or a dict, got {type(obj).__name__}")
 
+    @classmethod
+    def for_residuals(cls) -> "Space":
+        """The default space of residual saves (the weights minus the parent's reconstruction)."""
+        return cls()
+
     def axes(self) -> tuple[Axis, ...]:
         raise NotImplementedError
 
@@ -126,6 +131,14 @@ class DynaQuantSpace(Space):
             raise ConfigError(f"DynaQuantSpace.prune_metric may hold {PRUNE_METRICS}, got {bad}")
         if max(self.prune_fraction) + max(self.protect_fraction) >= 1.0:
             raise ConfigError("DynaQuantSpace: max(prune_fraction) + max(protect_fraction) must be < 1")
+
+    @classmethod
+    def for_residuals(cls) -> "DynaQuantSpace":
+        """A residual is mostly sub-level drift: prune most of it, as ExCP does (up to 95 %; on a
+        restored digits run 90 % pruned with 2-4 bins cost under 0.3 % of the loss). A pruned
+        residual element is not lost: the next residual, taken against this reconstruction, still
+        holds it (error feedback)."""
+        return cls(bins=(2, 4, 8, 16, 32), prune_fraction=(0.0, 0.5, 0.8, 0.9, 0.95))
 
     def axes(self):
         return (Axis("bins", tuple(sorted(self.bins))),

@@ -24,7 +24,8 @@ The paper extends this search to its baselines (section 8.2, Tables 10-12), each
 space: DynaQuant, QD, CNR and GOBO all run through this module. What a method must provide
 (methods/quantizing.py, ``QuantizingMethod``): ``space()`` (search/spaces.py),
 ``search_records(state)`` (the weights the search judges), ``search_quantize(state, knobs,
-gradients)`` -> {name: QuantizedTensor}, ``search_dequantize(q)``, and ``search_coding``: how its
+gradients)`` -> {name: QuantizedTensor}, ``search_dequantize(q, name)`` (what the decoder rebuilds:
+a residual's base added), and ``search_coding``: how its
 encoder codes the codes, for the ratio estimate. Optionally ``search_prepare(state, reference,
 gradients)`` -> an object with ``quantize(knobs)`` and ``estimate(knobs) -> (est_bits,
 raw_bits)`` (or None): the work shared by every candidate of one checkpoint, done once (DynaQuant's
@@ -157,7 +158,7 @@ class TrialRunner:
     def _trial_row(self, c: Candidate) -> list[float]:
         q = self._quantize(c)
         est, raw = self._estimate(q)
-        v = self.judge.check({n: self.method.search_dequantize(qt) for n, qt in q.items()})
+        v = self.judge.check({n: self.method.search_dequantize(qt, n) for n, qt in q.items()})
         self.local_evals += 1
         return [float(v.feasible), v.degradation, v.score, est, raw]
 
@@ -275,8 +276,8 @@ def _json_float(x: float) -> float | None:
 def search_config(method, state, reference, ctx, search_state, *, group=None, runner: TrialRunner | None = None):
     """Choose this checkpoint's quantizer knobs. Returns (knobs, info, new search_state).
 
-    ``method.config.search`` supplies ``policy`` and ``neighbourhood``, ``method.space()`` the
-    method's search space; the method itself the quantizer (see the module docstring).
+    ``method.config.search`` supplies ``policy`` (``method.search_policy`` when the method has one)
+    and ``neighbourhood``, ``method.space()`` the method's search space; the method itself the quantizer (see the module docstring).
     ``search_state`` is what the previous call returned (None at first).
     ``runner``: a TrialRunner to use instead of the default (dcp/search.py: sharded trials in which
     every rank quantizes its shards of each candidate); the search closes it.
@@ -288,6 +289,7 @@ def search_config(method, state, reference, ctx, search_state, *, group=None, ru
     if not recs:
         return {}, {"search": "none", "reason": "no quantizable weights"}, search_state
     space = method.space()
+    monotone = getattr(method, "search_policy", mcfg.search.policy) == "monotone"
     cube = ConfigCube(space, embedding=any(r.layer_type == "embedding" for r in recs.values()))
     groups = space.groups(ctx.gradients)
     st = dict(search_state or {})
@@ -300,13 +302,13 @@ def search_config(method, state, reference, ctx, search_state, *, group=None, ru
             since = int(st.get("since_metric_check", METRIC_CHECK_EVERY))
             best, extra = neighbourhood_search(
                 runner, cube, prev, groups, steps=int(mcfg.search.neighbourhood),
-                monotone=mcfg.search.policy == "monotone", threshold=ctx.threshold,
+                monotone=monotone, threshold=ctx.threshold,
                 check_groups=since + 1 >= METRIC_CHECK_EVERY)
             kind = "neighbourhood" if best is not None else "fallback"
         if best is None:
             # under the monotone policy a fallback never goes below the previous best: it searches
             # the box above it (fewer evaluations; the whole cube for "free" or without a previous best)
-            lo = cube.point(prev) if prev is not None and mcfg.search.policy == "monotone" else None
+            lo = cube.point(prev) if prev is not None and monotone else None
             best, infeasible = exhaustive_search(runner, cube, groups, lo=lo)
     finally:
         runner.close()
