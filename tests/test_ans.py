@@ -100,11 +100,13 @@ def test_varints_vectorized_match_scalar():
     for v in vals.tolist():
         E.write_varint(scalar, v)
     assert packed == bytes(scalar)
-    r = E.ByteReader(packed, "test")
-    assert r.varints(len(vals)).tolist() == vals.tolist()
-    r.expect_end()
-    with pytest.raises(CorruptCheckpointError):
-        E.ByteReader(packed[:-1], "test").varints(len(vals))
+    for reps in (1, 3):  # 7 values: the reader's plain loop; 21: its vectorized form
+        many = np.tile(vals, reps)
+        r = E.ByteReader(E.pack_varints(many), "test")
+        assert r.varints(len(many)).tolist() == many.tolist()
+        r.expect_end()
+        with pytest.raises(CorruptCheckpointError):
+            E.ByteReader(E.pack_varints(many)[:-1], "test").varints(len(many))
     with pytest.raises(CorruptCheckpointError):
         E.ByteReader(b"\x80" * 11, "test").varint()
 
@@ -116,3 +118,12 @@ def test_stream_under_the_naive_size_bound_decodes():
     bits = np.unpackbits(np.frombuffer((Path(__file__).parent / "data" / "ans_sign_stream.bin").read_bytes(),
                                        dtype=np.uint8)).astype(np.int64)
     assert np.array_equal(ans_decode(ans_encode(bits)), bits)
+
+
+@pytest.mark.parametrize("name,x", [*streams(), ("span-9000", np.random.default_rng(1).integers(-9, 8991, 20_001))])
+def test_symbol_table_matches_numpy_unique(name, x):
+    # the counting passes (four interleaved tables for small alphabets, one above 4096 values)
+    values, counts, index = E.symbol_table(x)
+    want, inverse, want_counts = np.unique(x, return_inverse=True, return_counts=True)
+    assert np.array_equal(values, want) and np.array_equal(counts, want_counts)
+    assert index.dtype == np.int32 and np.array_equal(index, inverse.reshape(-1))

@@ -75,3 +75,54 @@ def test_pair_roundtrip_in_bf16_and_errors(adam_pair):
         M.AdamHP(0)
     none_m, _ = M.decode_pair(*M.encode_pair(m, v, hp, M.GridCodec(m_bits=0)), hp)
     assert not bool(none_m.any())
+
+
+@pytest.mark.parametrize("n", [1, 2, 129, 70_001, 140_003])
+def test_prune_cut_selection_equals_its_torch_reference(n):
+    # ties (values on a coarse grid) and the strided sample of a large tensor, as quantize_m takes it
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=g) * 8).round().abs()[:: max(1, n // 65536)]
+    for q in (0.0, 0.5, 0.9, 0.999):
+        got, ref = M._quantile(x, q), M._quantile_reference(x, q)
+        assert got.dtype == ref.dtype == torch.float32 and torch.equal(got, ref), (n, q)
+        assert torch.allclose(got, torch.quantile(x, q))
+
+
+def test_all_finite_is_finite_in_fp32():
+    from ckptzip.quant.base import all_finite
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        x = torch.randn(1000).to(dtype)
+        assert all_finite(x) and all_finite(x[:0])
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            y = x.clone()
+            y[517] = bad
+            assert not all_finite(y), (dtype, bad)
+    # an fp64 moment beyond fp32's range is not codable (quantize_m would see inf)
+    assert not all_finite(torch.tensor([1.0, 1e300], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("factored", [False, True])
+def test_pair_levels_are_the_decoded_grid(adam_pair, factored):
+    m, v, hp = adam_pair
+    qm, qv, c = M.encode_pair_levels(m, v, hp, M.GridCodec(factored=factored, normalize="decoded"))
+    assert qv.meta["factored"] is factored and torch.equal(c, M.decode_grid(qv))
+    assert torch.equal(qm.codes, M.encode_pair(m, v, hp, M.GridCodec(factored=factored, normalize="decoded"))[0].codes)
+
+
+def test_zigzag_by_shifts_is_the_where_form():
+    r = torch.cat([torch.arange(-5000, 5000), torch.tensor([(1 << 62) - 1, -(1 << 62)])])
+    assert torch.equal(M._zigzag(r), torch.where(r >= 0, 2 * r, -2 * r - 1))
+    z = torch.cat([torch.arange(-5000, 10000), torch.tensor([(1 << 63) - 1, -(1 << 63)])])
+    assert torch.equal(M._unzigzag(z), torch.where(z % 2 == 0, z // 2, -(z + 1) // 2))
+    assert torch.equal(M._unzigzag(M._zigzag(r)), r)
+
+
+@pytest.mark.parametrize("n,group", [(8192, 100), (8192, 256), (50, 256), (512, 256)])
+def test_dequantize_m_is_the_repeated_scale_product(adam_pair, n, group):
+    m, v, hp = adam_pair
+    n = min(n, m.numel())
+    m, D = m.reshape(-1)[:n], M.denominator(v, hp)[:n]
+    q = M.quantize_m(m, D, bits=1, group=group, prune=0.9)
+    want = q.codebook[q.codes.long()] * q.side["scale"].float().repeat_interleave(group)[:n] * D
+    assert torch.equal(M.dequantize_m(q, D), want)

@@ -49,7 +49,7 @@ from ..configcheck import OneOf, Range, check_fields
 from ..errors import ConfigError, CorruptCheckpointError
 from ..quant import dynaquant as dq
 from ..quant import moments as M
-from ..quant.base import MIN_NUMEL, MIN_NUMEL_RANGE, QuantizedTensor
+from ..quant.base import MIN_NUMEL, MIN_NUMEL_RANGE, QuantizedTensor, all_finite
 from ..state import FlatState, ParamView, TensorRecord
 from ..tensorbytes import torch_dtype
 from . import qrecord
@@ -125,12 +125,14 @@ def plan_moments(state: FlatState, config: MomentConfig, prev: MomentReference |
                                  (codes.coder, codes.rearrange, codes.rle), keep=config.delta)
                 for name, q in quantize_normalized(state, config).items()}
     out = {}
+    # residuals of row + column effects on keyframes only; built once (a replace() validates the config)
+    grids = (config.grid, replace(config.grid, factored=False) if config.grid.factored else config.grid)
     for view in state.params().values():
         n = config.grid.min_numel
         if _codable(state, view, "exp_avg", n) and _codable(state, view, "exp_avg_sq", n) and view.adam \
                 and view.step >= 1 and state.records[view.moments["exp_avg"]].shape == \
                 state.records[view.moments["exp_avg_sq"]].shape:
-            out.update(_plan_adam(state, view, config.grid, prev))
+            out.update(_plan_adam(state, view, grids, prev))
         elif set(view.moments) == {"momentum_buffer"} and view.hparams is not None \
                 and view.hparams.momentum is not None and _codable(state, view, "momentum_buffer", n):
             name = view.moments["momentum_buffer"]
@@ -145,11 +147,12 @@ def _codable(state: FlatState, view: ParamView, role: str, min_numel: int) -> bo
     if name is None:
         return False
     rec, t = state.records[name], state.tensors[name]
-    return rec.is_float and t.numel() >= min_numel and bool(torch.isfinite(t).all())
+    return rec.is_float and t.numel() >= min_numel and all_finite(t)
 
 
-def _plan_adam(state: FlatState, view: ParamView, grid: M.GridCodec, prev: MomentReference | None
-               ) -> dict[str, MomentItem]:
+def _plan_adam(state: FlatState, view: ParamView, grids: tuple[M.GridCodec, M.GridCodec],
+               prev: MomentReference | None) -> dict[str, MomentItem]:
+    """grids: (the codec for a keyframe of v, for a delta of v)."""
     mname, vname = view.moments["exp_avg"], view.moments["exp_avg_sq"]
     m, v = state.tensors[mname], state.tensors[vname]
     (b1, b2), eps = view.hparams.betas, view.hparams.eps
@@ -157,17 +160,20 @@ def _plan_adam(state: FlatState, view: ParamView, grid: M.GridCodec, prev: Momen
     p = prev.codes.get(vname) if prev is not None else None
     if p is not None and p.codes.numel() != v.numel():
         p = None
-    qm, qv = M.encode_pair(m, v, hp, replace(grid, factored=grid.factored and p is None))  # residuals: keyframes
-    levels = M.decode_grid(qv)
+    grid = grids[p is not None]
+    qm, qv, levels = M.encode_pair_levels(m, v, hp, grid)
     # every moment is planned before any is stored: int64 codes of all of them would peak at 2x the state
     for q in (qm, qv):
         if q is not None:
             q.codes = qrecord.compact(q.codes, q.n_levels)
-    n_levels = int(levels.max()) + 1 if levels.numel() else 1
+    if qv.meta["factored"]:
+        n_levels = int(levels.max()) + 1 if levels.numel() else 1
+        ref = qrecord.Codes(qrecord.compact(levels, n_levels), n_levels)
+    else:  # the stored codes are the absolute levels
+        ref = qrecord.Codes(qv.codes, qv.n_levels)
     adam = {"step": hp.step, "beta1": b1, "beta2": b2, "eps": eps}
     return {vname: MomentItem(qv, S.MOMENT_GRID.descriptor, {"step": grid.v_step, "factored": qv.meta["factored"],
-                                                             "adam": adam}, p,
-                              levels=qrecord.Codes(qrecord.compact(levels, n_levels), n_levels), pack=True),
+                                                             "adam": adam}, p, levels=ref, pack=True),
             mname: MomentItem(None, S.MOMENT_DIRECTION.descriptor, {"zero": True, "v": vname}) if qm is None else
             MomentItem(qm, S.MOMENT_DIRECTION.descriptor, {**_direction_meta(qm), "v": vname}, pack=True)}
 
