@@ -53,7 +53,7 @@ from ..codec.entropy import CODERS
 from ..configcheck import OneOf, check_fields
 from ..errors import ConfigError, CorruptCheckpointError
 from ..quant import dynaquant as dq
-from ..quant.base import QuantizedTensor
+from ..quant.base import QuantizedTensor, all_finite
 from ..search.config import SearchConfig
 from ..search.spaces import Space
 from ..state import FlatState, TensorRecord
@@ -167,7 +167,7 @@ class QuantizingMethod(Method):
         return {n: r for n, r in state.records.items()
                 if r.role == "weight" and r.is_float
                 and dq.is_quantizable(r.layer_type, "weight", r.numel, min_numel=min_numel)
-                and bool(torch.isfinite(state.tensors[n]).all())}
+                and all_finite(state.tensors[n])}
 
     def search_quantize(self, state: FlatState, knobs: dict, gradients=None) -> dict[str, QuantizedTensor]:
         """Quantize every ``search_records`` weight under the quantizer config with ``knobs`` replaced."""

@@ -86,7 +86,7 @@ from ..errors import ConfigError, NonFiniteError
 from ..kmeans import INITS
 from ..sketch import LogSketch
 from ..tensorbytes import dtype_name, torch_dtype
-from .base import MIN_NUMEL_RANGE, QuantizedTensor, apply_codebook
+from .base import MIN_NUMEL_RANGE, QuantizedTensor, all_finite, apply_codebook
 from .adam import adam_denominator, adam_direction_error, denormalize_exp_avg, normalize_exp_avg  # noqa: F401
 from .levels import DOMAINS
 from .levels import from_domain as _from_domain
@@ -202,7 +202,7 @@ def _flat_f32(x: torch.Tensor, name: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"{name}: DynaQuant quantizes float tensors, got {getattr(x, 'dtype', type(x))}")
     xf = x.detach().reshape(-1).to(torch.float32)
-    if not bool(torch.isfinite(xf).all()):
+    if not all_finite(xf):
         raise NonFiniteError(f"{name}: tensor holds inf/NaN; DynaQuant needs finite values (store it exact)")
     return xf
 
