@@ -61,11 +61,22 @@ def test_async_saves_search_in_the_background(tmp_path):
     chain = CheckpointChain(url, "dynaquant")
     chain.restore()
     assert chain.method.search_state["checkpoints"] == 3
-    # so does a restarted async trainer: its next save searches the neighbourhood, not from scratch
+    # so does a restarted async trainer. Its saves are residuals against the decoded step 60
+    # (dynaquant's residual="restored"), searched in their own space with their own history: the
+    # first one from scratch, the next in the neighbourhood; the trainer's search judges what the
+    # decoder rebuilds from them, not a re-quantization of the weights
     m, opt, sched = w.build(1)
     with ckptzip.Compressor(m, opt, url, "dynaquant", eval_fn=w.eval_fn, threshold=0.05, async_save=True) as ck:
         assert ck.restore() == 60
-        for step in range(61, 81):
+        assert ck.chain.method.search_state["checkpoints"] == 3
+        for step in range(61, 101):
             w.train_step(m, opt, sched, step)
-        ck.save(80).wait()
-    assert CheckpointChain(url).entry(80).summary["search"] in ("neighbourhood", "fallback")
+            if step % 20 == 0:
+                ck.save(step).wait()
+    for step, kinds in ((80, ("exhaustive",)), (100, ("neighbourhood", "fallback"))):
+        e = CheckpointChain(url).entry(step)
+        assert e.summary.get("residual") and e.summary["search"] in kinds
+        restored, _, _ = w.build(0)
+        restored.load_state_dict(CheckpointChain(url).load(step)["model"])
+        d = (w.eval_fn(restored) - e.summary["baseline"]) / e.summary["baseline"]
+        assert d == pytest.approx(e.summary["degradation"], abs=1e-6)

@@ -174,6 +174,12 @@ def test_grouped_small_records_decode_as_the_per_record_layout(digits_snapshots,
     assert len(grouped) >= 4 and {"group.4f", "group.8i"} <= set(man["blobs"])
     assert any("xor/1" in man["records"][n]["pipeline"] for n in grouped)
     assert not any("group/1" in r["pipeline"] for r in chains["plain"].manifest(3)["records"].values())
+    # a group blob's bytes are split over its records' roles (the demo's weights-only ratio needs them)
+    for e in chains["grouped"].entries():
+        roles = e.bytes_by_role
+        assert "shared" not in roles and roles["weight"][1] > 0
+        assert abs(sum(v[1] for v in roles.values()) - sum(b["nbytes"] for b in
+                                                            chains["grouped"].manifest(e.step)["blobs"].values())) <= 4
     for step in (1, 2, 3):
         a, b = chains["grouped"].restore(step).flat.tensors, chains["plain"].restore(step).flat.tensors
         assert set(a) == set(b) and all(bits_equal(a[n], b[n]) for n in a)

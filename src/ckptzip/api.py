@@ -165,9 +165,11 @@ class Compressor:
                 return None
             state, step = found
             if self._searcher is not None and step in self.chain.steps():
-                # the search runs here, not in the agent: resume its steady state from the file, as
-                # a synchronous writer does when it rebuilds its reference
+                # the search runs here, not in the agent: resume its steady state and its reference
+                # (the decoded weights a residual is taken against) from the file, as a synchronous
+                # writer does when it rebuilds its reference
                 self.chain.method.resume(self.chain.manifest(step).get("method_meta", {}))
+                self._searcher.resume(self.chain.reference(step))
         else:
             if not self.chain.steps():
                 return None

@@ -19,9 +19,11 @@ What the user provides, and what it costs:
 - A scratch copy of the model, made once on the training thread at the first search (GPU memory when
   the model is on a GPU), and CPU / GPU time beside training for the evaluations.
 - One CPU copy of the state per save in flight; ``save`` blocks while ``max_pending`` searches wait.
-- The search's ratio estimate deltas against the codes of the config it chose last time (quantized
-  again here, off the training thread), not the agent's reference: the agent's keyframe policy is
-  not known here, so a keyframe is estimated as a delta.
+- The search's reference is rebuilt here as the agent's encoder builds its own: the codes of the
+  config chosen last time (quantized again here, off the training thread) and, once residuals
+  follow (dynaquant's ``residual``), their reconstructions; after a restore, the decoded file
+  (``resume``). The agent's keyframe policy is not known here, so a keyframe is estimated (and
+  judged) as the delta it would otherwise have been.
 
 Errors of the search thread (and of the agent) come back through the handle's ``wait`` and
 ``SearchingSaver.wait``; nothing is logged and forgotten.
@@ -85,7 +87,7 @@ class SearchingSaver:
         self.threshold, self.higher_is_better = threshold, higher_is_better
         self._jobs: queue.Queue = queue.Queue(maxsize=max(1, int(max_pending)))
         self._scratch: torch.nn.Module | None = None
-        self._reference = None       # codes of the config chosen last time (the search's estimate)
+        self._reference = None       # what the agent's next save is coded against, as the search sees it
         self._errors: list[BaseException] = []
         self._handles: list[SearchHandle] = []
         self._thread = threading.Thread(target=self._run, name="ckptzip-search", daemon=True)
@@ -105,6 +107,10 @@ class SearchingSaver:
         self._handles.append(h)
         self._jobs.put(_Job(flat, int(step), grads, h))
         return h
+
+    def resume(self, reference) -> None:
+        """After a restore: the reference the agent's next save is coded against (the decoded file)."""
+        self._reference = reference
 
     def wait(self) -> None:
         """Block until every queued search is done and its save committed; re-raise the first error."""
@@ -146,11 +152,11 @@ class SearchingSaver:
         ctx = EncodeContext(step=job.step, model=self._scratch, eval_fn=self.eval_fn, threshold=self.threshold,
                             higher_is_better=self.higher_is_better, gradients=job.gradients)
         t0 = time.perf_counter()
-        knobs, info = self.method.choose_knobs(job.flat, self._reference, ctx)
+        knobs, info = self.method.search_knobs(job.flat, self._reference, ctx)
         # the search's seconds in the file's summary, as a synchronous save records them
         info = {**info, "search_s": round(time.perf_counter() - t0, 3)}
         # what the next search estimates deltas against: this checkpoint's codes under the chosen knobs
-        self._reference = self.method.search_reference(job.flat, knobs, job.gradients, job.step)
+        self._reference = self.method.search_reference(job.flat, knobs, job.gradients, job.step, self._reference)
         search = {"knobs": knobs, "info": info, "state": self.method.search_state}
         job.handle.engine_handle = self.engine.save(
             job.flat, job.step, ctx=EncodeContext(step=job.step, threshold=self.threshold,

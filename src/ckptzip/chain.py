@@ -291,6 +291,11 @@ class CheckpointChain:
         state = unflatten_state(flat.skeleton, flat.tensors)
         return Restored(target, state, flat, manifest)
 
+    def reference(self, step: int):
+        """The Reference a save after ``step`` is coded against (decodes the chain up to ``step``): for a
+        search that runs apart from the writer (async saves) and must estimate as it does."""
+        return self._replay(self.entry(step).step, self._load_index().entries)[1]
+
     def _path(self, step: int, entries: list[Entry]) -> list[int]:
         return replay_path(entries, step, self.url)
 
@@ -441,15 +446,29 @@ def _short_list(xs: list[int], n: int = 8) -> str:
 
 
 def _bytes_by_role(flat: FlatState, enc: Encoded) -> dict:
+    # a group blob (lossless's small records, ``meta.group``) is split over its records by their
+    # words; a blob no record claims that way (ExCP's payload) counts as "shared"
+    members: dict[str, list[tuple[str, int]]] = {}
+    for name in flat.records:
+        g = enc.records[name].get("meta", {}).get("group")
+        if isinstance(g, list) and len(g) == 3 and g[0] in enc.blobs:
+            members.setdefault(g[0], []).append((name, int(g[2])))
+    grouped: dict[str, float] = {}
+    for key, ms in members.items():
+        words = sum(n for _, n in ms) or 1
+        for name, n in ms:
+            grouped[name] = len(enc.blobs[key]) * n / words
     out: dict[str, list[int]] = {}
     for name, rec in flat.records.items():
         t = flat.tensors[name]
-        stored = sum(len(enc.blobs[k]) for k in enc.records[name]["blobs"].values())
+        stored = sum(len(enc.blobs[k]) for k in enc.records[name]["blobs"].values()) + grouped.get(name, 0.0)
         role = rec.role if rec.role in ("weight", "exp_avg", "exp_avg_sq", "momentum_buffer") else "other"
         acc = out.setdefault(role, [0, 0])
         acc[0] += t.numel() * t.element_size()
         acc[1] += stored
-    shared = sum(len(b) for k, b in enc.blobs.items() if not k[:1].isdigit())
+    for acc in out.values():
+        acc[1] = round(acc[1])
+    shared = sum(len(b) for k, b in enc.blobs.items() if not k[:1].isdigit() and k not in members)
     if shared:
         out.setdefault("shared", [0, 0])[1] += shared
     return out

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import time
 from abc import abstractmethod
+from contextlib import contextmanager
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
@@ -196,12 +197,25 @@ class QuantizingMethod(Method):
             {**new, **({"residual": st["residual"]} if "residual" in st else {})}
         return knobs, info
 
-    def search_reference(self, state: FlatState, knobs: dict, gradients, step: int) -> "QuantizedReference":
-        """The weights' codes under ``knobs``: what the next search estimates deltas against when the
-        encoder runs in another process (async saves, asyncsearch.py)."""
-        qs = self.search_quantize(state, knobs, gradients) if self.delta_weights else {}
-        return QuantizedReference(step, {n: qrecord.Codes(qrecord.compact(q.codes, q.n_levels), q.n_levels)
-                                         for n, q in qs.items()})
+    def search_knobs(self, state: FlatState, reference, ctx: EncodeContext) -> tuple[dict, dict]:
+        """``choose_knobs`` for a save against ``reference`` made outside ``encode`` (async saves,
+        asyncsearch.py): residual-aware, as ``encode``'s own search is."""
+        prev = reference if isinstance(reference, QuantizedReference) else None
+        with self._against(state, prev):
+            return self.choose_knobs(state, self._estimate_reference(prev, reference), ctx)
+
+    def search_reference(self, state: FlatState, knobs: dict, gradients, step: int,
+                         reference=None) -> "QuantizedReference":
+        """What ``encode`` under ``knobs`` against ``reference`` hands the next save -- the weights' codes
+        and, where residuals follow, their reconstructions -- for a search that runs apart from the
+        encoder (async saves, asyncsearch.py)."""
+        prev = reference if isinstance(reference, QuantizedReference) else None
+        with self._against(state, prev) as bases:
+            qs = self.search_quantize(state, knobs, gradients) if self.delta_weights or self._keeps_recon() else {}
+            recon = {n: self._reconstruct(q, bases.get(n)) for n, q in qs.items()} if self._keeps_recon() else {}
+        codes = {n: qrecord.Codes(qrecord.compact(q.codes, q.n_levels), q.n_levels) for n, q in qs.items()} \
+            if self.delta_weights else {}
+        return QuantizedReference(step, codes, None, recon)
 
     def resume(self, method_meta: dict) -> None:
         if self.search_state is None and isinstance(method_meta.get("search_state"), dict):
@@ -228,6 +242,23 @@ class QuantizingMethod(Method):
             self._targets_of = (state, FlatState(tensors, state.records, state.skeleton, state.extra))
         return self._targets_of[1]
 
+    @contextmanager
+    def _against(self, state: FlatState, prev: "QuantizedReference | None"):
+        """This save's residual bases in place (``targets``, ``search_dequantize`` and the search
+        read them) for the block; yields them."""
+        self._bases = self._residual_bases(state, prev)
+        try:
+            yield self._bases
+        finally:
+            self._bases, self._targets_of = {}, None
+
+    def _estimate_reference(self, prev: "QuantizedReference | None", reference):
+        """The search's reference: a residual's codes are estimated as a keyframe's (they are not
+        deltas of the parent's codes)."""
+        if not self._bases:
+            return reference
+        return replace(prev, weights={n: c for n, c in prev.weights.items() if n not in self._bases})
+
     def _residual_bases(self, state: FlatState, prev: "QuantizedReference | None") -> dict[str, torch.Tensor]:
         """Record -> the parent's reconstruction, for the weights this save codes as residuals."""
         if prev is None or self.config.residual == "never":
@@ -252,19 +283,12 @@ class QuantizingMethod(Method):
         if reference is not None and prev is None:
             raise ConfigError(f"{self.name} was given a reference it did not make; pass the Reference its "
                               "encode/decode returned, or None for a keyframe")
-        self._bases = self._residual_bases(state, prev)
-        try:
+        with self._against(state, prev) as bases:
             t0 = time.perf_counter()
-            # a residual's codes are estimated as a keyframe's: they are not deltas of the parent's codes
-            search_ref = replace(prev, weights={n: c for n, c in prev.weights.items() if n not in self._bases}) \
-                if self._bases else reference
-            knobs, search_info = self.choose_knobs(state, search_ref, ctx)
+            knobs, search_info = self.choose_knobs(state, self._estimate_reference(prev, reference), ctx)
             search_s = time.perf_counter() - t0
             qcfg = replace(cfg.quantizer, **knobs) if knobs else cfg.quantizer
             quantized = self._quantize(state, qcfg, ctx.gradients)
-            bases = self._bases
-        finally:
-            self._bases, self._targets_of = {}, None
         recon = {} if not self._keeps_recon() else \
             {n: self._reconstruct(q, bases.get(n)) for n, q in quantized.items()}
         enc = Encoded(keyframe=prev is None or not (self.delta_weights or self._moment_deltas))
