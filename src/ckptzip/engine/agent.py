@@ -276,11 +276,7 @@ def main() -> int:
         sys.path.extend(p for p in spec.get("sys_path", []) if p not in sys.path)  # the trainer's, for imports
         for mod in opts.get("agent_imports") or ():
             importlib.import_module(mod)
-        import torch
-
-        from .options import EngineOptions
-
-        torch.set_num_threads(EngineOptions(agent_threads=opts.get("agent_threads")).threads)
+        # torch's thread count: OMP_NUM_THREADS, which the supervisor sets (EngineOptions.threads)
         agent = _Agent(spec, out)
     except BaseException as e:
         try:
