@@ -33,6 +33,10 @@ def test_chain_round_trip_quality_and_ratio(chain_and_run):
     assert total > 4.0
     # deltas beat keyframes on the weights
     assert entries[1].bytes_by_role["weight"][1] < entries[0].bytes_by_role["weight"][1]
+    # small exact records (biases, norms, step scalars) share one group blob (methods/groups.py)
+    man = ch.manifest(entries[-1].step)
+    assert man["records"]["model/fc1.bias"]["pipeline"] == ["exact/1", "group/1", "bytegroup/1"]
+    assert "group.4f" in man["blobs"]
     m_ref, m_q = copy.deepcopy(model), copy.deepcopy(model)
     for s in snaps[::3]:
         out = ch.load(s.step)

@@ -36,6 +36,7 @@ from ..configcheck import check_tree, check_value
 from ..errors import ConfigError, CorruptCheckpointError, UnknownMethodError
 from ..state import FlatState, TensorRecord
 from ..tensorbytes import tensor_from_bytes, tensor_to_bytes
+from . import groups as groups_mod
 
 
 @dataclass(frozen=True)
@@ -268,10 +269,16 @@ def available_methods() -> list[str]:
 # --- exact storage shared by every method (scalars, ints, small tensors, tensors a lossy method skips)
 
 EXACT_PIPELINE = S.pipeline(S.EXACT, S.BYTEGROUP)
+EXACT_GROUPED = S.pipeline(S.EXACT, S.GROUP, S.BYTEGROUP)  # no blob: meta.group (methods/groups.py)
 _RAW_BELOW_BYTES = 256  # byte-group headers and zstd frames cost more than they save on tiny tensors
 
 
-def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3) -> None:
+def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3, groups: groups_mod.GroupWriter | None = None) -> None:
+    """``groups``: a tensor under ``GROUP_BELOW`` bytes joins its group blob (stage ``group/1``,
+    methods/groups.py; the caller flushes ``groups`` into ``enc`` after its last record)."""
+    if groups is not None and groups_mod.nbytes(t) < groups_mod.GROUP_BELOW:
+        enc.add(name, EXACT_GROUPED, groups.add(t.detach().cpu().contiguous()))
+        return
     raw = tensor_to_bytes(t)
     if len(raw) < _RAW_BELOW_BYTES:
         enc.add(name, S.pipeline(S.EXACT, S.RAW), {}, data=raw)
@@ -280,9 +287,14 @@ def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3) ->
                                                               float_bits=t.is_floating_point(), level=level))
 
 
-def decode_exact(enc: Encoded, name: str, rec: TensorRecord) -> torch.Tensor:
-    data = enc.blob(name, "data")
-    raw = data if S.RAW.descriptor in enc.records[name]["pipeline"] else bytegroup.decompress(data)
+def decode_exact(enc: Encoded, name: str, rec: TensorRecord, groups: dict | None = None) -> torch.Tensor:
+    """``groups``: the file's decompressed group blobs, one dict per file (group_words fills it)."""
+    pipeline = enc.records[name]["pipeline"]
+    if S.GROUP.descriptor in pipeline:
+        raw = groups_mod.group_words(enc, name, {} if groups is None else groups)
+    else:
+        data = enc.blob(name, "data")
+        raw = data if S.RAW.descriptor in pipeline else bytegroup.decompress(data)
     return tensor_from_bytes(raw, rec.dtype, rec.shape)
 
 

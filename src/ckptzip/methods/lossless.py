@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..codec import bytegroup
@@ -32,6 +31,7 @@ from ..parallel import thread_map
 from ..state import FlatState, TensorRecord
 from ..tensorbytes import BITS_DTYPE, tensor_from_bytes, to_numpy_bits
 from .base import DecodeContext, EncodeContext, Encoded, Method, Reference, register
+from .groups import GROUP_BELOW, GroupWriter, group_words, nbytes
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class LosslessMethod(Method):
     version = 1
     config_cls = LosslessConfig
 
-    group_below = 16384  # records under this many bytes share a group blob (0: every record its own)
+    group_below = GROUP_BELOW  # records under this many bytes share a group blob (0: every record its own)
 
     def encode(self, state: FlatState, reference: Reference | None, *, ctx: EncodeContext) -> tuple[Encoded, Reference]:
         prev = reference.exact if reference is not None else None
@@ -83,24 +83,14 @@ class LosslessMethod(Method):
             return pipeline + [S.BYTEGROUP.descriptor], data, t.clone()
 
         names = list(state.records)
-        small = [n for n in names if _nbytes(state.tensors[n]) < self.group_below]
-        large = [n for n in names if _nbytes(state.tensors[n]) >= self.group_below]
-        ref, metas, groups = {}, {}, {}
+        small = [n for n in names if nbytes(state.tensors[n]) < self.group_below]
+        large = [n for n in names if nbytes(state.tensors[n]) >= self.group_below]
+        ref, metas, groups = {}, {}, GroupWriter(level)
         for name in small:
             t, p, pipeline = prepare(name)
-            key = f"group.{t.element_size()}{'f' if t.is_floating_point() else 'i'}"
-            words, parents, size = groups.setdefault(key, ([], [], [0]))
-            bits = to_numpy_bits(t)
-            metas[name] = (pipeline + [S.GROUP.descriptor, S.BYTEGROUP.descriptor],
-                           {"group": [key, size[0], int(bits.size)]})
-            size[0] += bits.size
-            words.append(bits)
-            parents.append(p if p is not None else np.zeros_like(bits))  # XOR with zeros: the bits
+            metas[name] = (pipeline + [S.GROUP.descriptor, S.BYTEGROUP.descriptor], groups.add(t, p))
             ref[name] = t.clone()
-        for key, (words, parents, _) in groups.items():
-            width, is_float = int(key[len("group."):-1]), key.endswith("f")
-            enc.blobs[key] = bytegroup.compress(np.concatenate(words), width, float_bits=is_float, level=level,
-                                                prev=np.concatenate(parents))
+        groups.flush(enc)
         coded = dict(zip(large, thread_map(one, large)))
         for name in names:  # records in the state's order
             if name in metas:
@@ -115,7 +105,7 @@ class LosslessMethod(Method):
         out, groups = {}, {}
         for name, rec in records.items():
             if S.GROUP.descriptor in encoded.records[name]["pipeline"]:
-                raw = _group_words(encoded, name, groups)
+                raw = group_words(encoded, name, groups)
             else:
                 raw = bytegroup.decompress(encoded.blob(name, "data"))
             t = tensor_from_bytes(raw, rec.dtype, rec.shape)
@@ -126,24 +116,3 @@ class LosslessMethod(Method):
                 t = torch.bitwise_xor(_bits(t), _bits(p)).view(t.dtype)
             out[name] = t
         return out, LosslessReference(ctx.step, dict(out))
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _group_words(encoded: Encoded, name: str, groups: dict[str, memoryview]) -> memoryview:
-    """The bytes of a grouped record's words (its group blob decompressed once, kept in ``groups``)."""
-    g = encoded.records[name]["meta"].get("group")
-    if not (isinstance(g, list) and len(g) == 3 and isinstance(g[0], str) and g[0] in encoded.blobs
-            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in g[1:])):
-        raise CorruptCheckpointError(f"record {name!r}: meta.group {g!r} is not [blob key, offset, count] of a blob "
-                                     "in the file")
-    key, off, n = g
-    if key not in groups:
-        groups[key] = memoryview(bytegroup.decompress(encoded.blobs[key]))
-    buf = groups[key]
-    width = encoded.blobs[key][0]  # the byte-grouped blob's first byte: its word width
-    if (off + n) * width > buf.nbytes:
-        raise CorruptCheckpointError(f"record {name!r}: words {off}..{off + n} lie outside group blob {key!r}")
-    return buf[off * width:(off + n) * width]

@@ -8,7 +8,8 @@ runs everything else. Per checkpoint::
     3. moments: methods/moments.py, the same recipe for all four methods
     4. codes: methods/qrecord.py, a cyclic delta against the previous save's codes where the method
        deltas (``delta_weights``: dynaquant, qd), coded as ``config.codes`` says
-    5. every other record exact (methods/base.encode_exact)
+    5. every other record exact (methods/base.encode_exact; those under 16 KiB share group blobs,
+       stage ``group/1``, methods/groups.py)
 
 Decode: exact records; weights (``dequantize_weight``, against the reference's codes); moments
 (moments.decode_moments). The reference is a ``QuantizedReference``: the weights' codes (and the
@@ -60,6 +61,7 @@ from ..search.spaces import Space
 from ..state import FlatState, TensorRecord
 from . import moments, qrecord
 from .base import DecodeContext, EncodeContext, Encoded, Method, Reference, decode_exact, encode_exact, is_exact
+from .groups import GroupWriter
 
 CODER_CHOICES = ("auto", *CODERS)
 
@@ -295,7 +297,7 @@ class QuantizingMethod(Method):
         stage = S.QUANTIZED_RECORD[self.name].descriptor  # the qrecord layout, unchanged since v0.1
         planned = moments.plan_moments(state, cfg.moments, None if enc.keyframe else prev.moments,
                                        marker=stage, codes=cfg.codes)
-        codes_w, codes_m = {}, {}
+        codes_w, codes_m, groups = {}, {}, GroupWriter()
         for name, rec in state.records.items():
             q = quantized.get(name)
             if name in planned:
@@ -303,13 +305,14 @@ class QuantizingMethod(Method):
                 if c is not None:
                     codes_m[name] = c
             elif q is None:
-                encode_exact(enc, name, state.tensors[name])
+                encode_exact(enc, name, state.tensors[name], groups=groups)
             else:
                 p = None if enc.keyframe else prev.weights.get(name)
                 meta = {k: v for k, v in q.meta.items() if k in qrecord.RECORD_META}
                 codes_w[name] = qrecord.store(enc, name, q, p, method=stage, coder=cfg.codes.coder,
                                               rearrange=cfg.codes.rearrange, rle=cfg.codes.rle, meta=meta,
                                               residual=name in bases)
+        groups.flush(enc)
         # an async save's search ran in the trainer (asyncsearch.py): its info carries its own search_s
         enc.meta["summary"] = {**{k: getattr(qcfg, k) for k in self._knob_names()}, "search_s": round(search_s, 3),
                                **search_info, **({"residual": True} if bases else {})}
@@ -321,10 +324,10 @@ class QuantizingMethod(Method):
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
         prev = reference if isinstance(reference, QuantizedReference) else None
         out: dict[str, torch.Tensor] = {}
-        codes_w, moment_records = {}, {}
+        codes_w, moment_records, groups = {}, {}, {}
         for name, rec in records.items():
             if is_exact(encoded, name):
-                out[name] = decode_exact(encoded, name, rec)
+                out[name] = decode_exact(encoded, name, rec, groups)
             elif rec.role != "weight":
                 moment_records[name] = rec
             else:

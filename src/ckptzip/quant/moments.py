@@ -221,13 +221,14 @@ def _quantize_m(mf: torch.Tensor, D: torch.Tensor | None, m: torch.Tensor, *, bi
     z = ug / s.float().clamp_min(1e-38)[:, None]
     signed = levels[levels != 0]
     bounds = (signed[1:] + signed[:-1]) / 2
+    # uint8 codes (at most 9 levels) in few passes: on a small tensor each pass costs more than its bytes
     # one threshold (1 bit): a compare is what bucketize computes, at a tenth of its binary search's cost
-    codes = (z > bounds[0]).long() if bounds.numel() == 1 else torch.bucketize(z, bounds)
+    codes = (z > bounds[0]).to(torch.uint8) if bounds.numel() == 1 else torch.bucketize(z, bounds, out_int32=True)
     if cut is not None:  # the zero level sits between the halves: shift the positive codes up
         half = signed.numel() // 2
-        codes += codes >= half
-        codes.masked_fill_(~keep if bits == 1 else a <= cut, half)
-    codes = codes.reshape(-1)[:n]
+        shifted = codes * 2 if bits == 1 else codes + (codes >= half)  # 1 bit: {0, 1} -> {0, 2}
+        codes = torch.where(keep if bits == 1 else a > cut, shifted, half)
+    codes = codes.reshape(-1)[:n].to(torch.uint8)
     meta = {"bits": bits, "group": group, "prune": prune,
             "normalized": D is not None}
     return QuantizedTensor(codes=codes, n_levels=int(levels.numel()), codebook=levels, shape=tuple(m.shape),
