@@ -127,19 +127,20 @@ def plan_moments(state: FlatState, config: MomentConfig, prev: MomentReference |
     out = {}
     # residuals of row + column effects on keyframes only; built once (a replace() validates the config)
     grids = (config.grid, replace(config.grid, factored=False) if config.grid.factored else config.grid)
+    adam = []
     for view in state.params().values():
         n = config.grid.min_numel
         if _codable(state, view, "exp_avg", n) and _codable(state, view, "exp_avg_sq", n) and view.adam \
                 and view.step >= 1 and state.records[view.moments["exp_avg"]].shape == \
                 state.records[view.moments["exp_avg_sq"]].shape:
-            out.update(_plan_adam(state, view, grids, prev))
+            adam.append(view)
         elif set(view.moments) == {"momentum_buffer"} and view.hparams is not None \
                 and view.hparams.momentum is not None and _codable(state, view, "momentum_buffer", n):
             name = view.moments["momentum_buffer"]
             q = M.quantize_m(state.tensors[name], None, bits=config.grid.sgd_bits, group=config.grid.group)
             q.codes = qrecord.compact(q.codes, q.n_levels)
             out[name] = MomentItem(q, S.MOMENT_DIRECTION.descriptor, _direction_meta(q), pack=True)
-    return out
+    return {**_plan_adam(state, adam, grids, prev), **out}
 
 
 def _codable(state: FlatState, view: ParamView, role: str, min_numel: int) -> bool:
@@ -150,18 +151,30 @@ def _codable(state: FlatState, view: ParamView, role: str, min_numel: int) -> bo
     return rec.is_float and t.numel() >= min_numel and all_finite(t)
 
 
-def _plan_adam(state: FlatState, view: ParamView, grids: tuple[M.GridCodec, M.GridCodec],
+def _plan_adam(state: FlatState, views: list[ParamView], grids: tuple[M.GridCodec, M.GridCodec],
                prev: MomentReference | None) -> dict[str, MomentItem]:
-    """grids: (the codec for a keyframe of v, for a delta of v)."""
+    """grids: (the codec for a keyframe of v, for a delta of v). The moments of all parameters
+    with the same codec are encoded in one batch (quant/moments.encode_pairs_levels)."""
+    parents = {}
+    for view in views:
+        vname = view.moments["exp_avg_sq"]
+        p = prev.codes.get(vname) if prev is not None else None
+        parents[vname] = p if p is not None and p.codes.numel() == state.tensors[vname].numel() else None
+    out = {}
+    for grid, batch in ((g, [w for w in views if (parents[w.moments["exp_avg_sq"]] is not None) == delta])
+                        for delta, g in ((False, grids[0]), (True, grids[1]))):
+        hps = [M.AdamHP(w.step, *w.hparams.betas, w.hparams.eps) for w in batch]
+        pairs = [(state.tensors[w.moments["exp_avg"]], state.tensors[w.moments["exp_avg_sq"]], hp)
+                 for w, hp in zip(batch, hps)]
+        for view, hp, (qm, qv, levels) in zip(batch, hps, M.encode_pairs_levels(pairs, grid)):
+            out.update(_adam_items(view, hp, grid, qm, qv, levels, parents[view.moments["exp_avg_sq"]]))
+    return {name: out[name] for view in views for name in (view.moments["exp_avg_sq"], view.moments["exp_avg"])}
+
+
+def _adam_items(view: ParamView, hp: M.AdamHP, grid: M.GridCodec, qm: QuantizedTensor | None, qv: QuantizedTensor,
+                levels: torch.Tensor, p: qrecord.Codes | None) -> dict[str, MomentItem]:
+    """The two records of one Adam parameter's encoded moments."""
     mname, vname = view.moments["exp_avg"], view.moments["exp_avg_sq"]
-    m, v = state.tensors[mname], state.tensors[vname]
-    (b1, b2), eps = view.hparams.betas, view.hparams.eps
-    hp = M.AdamHP(view.step, b1, b2, eps)
-    p = prev.codes.get(vname) if prev is not None else None
-    if p is not None and p.codes.numel() != v.numel():
-        p = None
-    grid = grids[p is not None]
-    qm, qv, levels = M.encode_pair_levels(m, v, hp, grid)
     # every moment is planned before any is stored: int64 codes of all of them would peak at 2x the state
     for q in (qm, qv):
         if q is not None:
@@ -171,7 +184,7 @@ def _plan_adam(state: FlatState, view: ParamView, grids: tuple[M.GridCodec, M.Gr
         ref = qrecord.Codes(qrecord.compact(levels, n_levels), n_levels)
     else:  # the stored codes are the absolute levels
         ref = qrecord.Codes(qv.codes, qv.n_levels)
-    adam = {"step": hp.step, "beta1": b1, "beta2": b2, "eps": eps}
+    adam = {"step": hp.step, "beta1": hp.beta1, "beta2": hp.beta2, "eps": hp.eps}
     return {vname: MomentItem(qv, S.MOMENT_GRID.descriptor, {"step": grid.v_step, "factored": qv.meta["factored"],
                                                              "adam": adam}, p, levels=ref, pack=True),
             mname: MomentItem(None, S.MOMENT_DIRECTION.descriptor, {"zero": True, "v": vname}) if qm is None else

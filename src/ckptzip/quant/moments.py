@@ -110,15 +110,15 @@ def _as_2d(shape) -> tuple[int, int] | None:
 def grid_codes(v: torch.Tensor, hp: AdamHP, step: float, m: torch.Tensor | None = None) -> torch.Tensor:
     """Absolute grid codes c = round(log2(D / eps) / step), int64 flat; 0 only for v == 0 == m."""
     vf = _f32(v, "exp_avg_sq")
-    return _grid_codes(vf, _denominator(vf, hp), hp, step, None if m is None else _f32(m, "exp_avg"))
+    return _grid_codes(vf, _denominator(vf, hp), hp.eps, step, None if m is None else _f32(m, "exp_avg"))
 
 
-def _grid_codes(vf: torch.Tensor, D: torch.Tensor, hp: AdamHP, step: float, mf: torch.Tensor | None
+def _grid_codes(vf: torch.Tensor, D: torch.Tensor, eps: float | torch.Tensor, step: float, mf: torch.Tensor | None
                 ) -> torch.Tensor:
-    """grid_codes of checked flat fp32 v (and m) whose denominator is D."""
+    """grid_codes of checked flat fp32 v (and m) whose denominator is D (``eps``: Adam's, or one per element)."""
     if not step > 0:
         raise ConfigError(f"moment grid step must be > 0 (log2 units), got {step}")
-    c = torch.div(D, hp.eps).log2_().div_(step).round_().to(torch.int64).clamp_min_(1)
+    c = torch.div(D, eps).log2_().div_(step).round_().to(torch.int64).clamp_min_(1)
     zero = vf == 0
     if mf is not None:
         zero &= mf == 0
@@ -196,27 +196,49 @@ def quantize_m(m: torch.Tensor, D: torch.Tensor | None, *, bits: int = 1, group:
 def _quantize_m(mf: torch.Tensor, D: torch.Tensor | None, m: torch.Tensor, *, bits: int, group: int,
                 prune: float) -> QuantizedTensor:
     """quantize_m of checked flat fp32 ``mf`` (``m``: the tensor, for its shape and dtype)."""
+    return _quantize_ms(mf, D, [m], bits=bits, group=group, prune=prune)[0]
+
+
+def _quantize_ms(mf: torch.Tensor, D: torch.Tensor | None, ms: list[torch.Tensor], *, bits: int, group: int,
+                 prune: float) -> list[QuantizedTensor]:
+    """_quantize_m of many tensors at once: ``mf`` (and ``D``) hold the flat fp32 values of every
+    tensor in ``ms``, one after the other. Each tensor is padded to whole groups of its own, so its
+    groups, cut and codes are the ones it gets alone (tests/test_quant_moments.py); the elementwise
+    passes run once over all of them (on small tensors each pass costs more than its bytes)."""
     if not isinstance(group, int) or group < 1:
         raise ConfigError(f"moment group must be an int >= 1, got {group!r}")
     if not 0.0 <= prune < 1.0:
         raise ConfigError(f"moment prune must be in [0, 1), got {prune}")
     u = mf if D is None else mf / D.reshape(-1).to(mf.device)
-    n = u.numel()
-    pad = (-n) % group
-    ug = (torch.cat([u, u.new_zeros(pad)]) if pad else u).reshape(-1, group)
+    ns = [x.numel() for x in ms]
+    pads = [(-n) % group for n in ns]
+    starts = [0]
+    for n, pad in zip(ns, pads):
+        starts.append(starts[-1] + n + pad)
+    if any(pads):  # each tensor's last group padded with zeros
+        pieces = []
+        for at, n, pad in zip(_offsets(ns), ns, pads):
+            pieces += [u[at:at + n], u.new_zeros(pad)] if pad else [u[at:at + n]]
+        ug = torch.cat(pieces).reshape(-1, group)
+    else:
+        ug = u.reshape(-1, group)
+    rows = [(n + pad) // group for n, pad in zip(ns, pads)]
     levels = levels_table(bits, prune).to(u.device)
     cut = None
     a = ug.abs() if prune > 0 or bits == 1 else None  # |u|, padded
-    if prune > 0 and n:
-        cut = _quantile(a.reshape(-1)[:n:max(1, n // 65536)], prune)  # a strided sample suffices
+    if prune > 0 and ug.numel():  # per tensor, from a strided sample of its own |u|
+        flat = a.reshape(-1)
+        cuts = torch.stack([_quantile(flat[at:at + n:max(1, n // 65536)], prune) if n else flat.new_zeros(())
+                            for at, n in zip(starts, ns)])
+        cut = torch.cat([c.expand(r) for c, r in zip(cuts, rows)])[:, None]
     if bits == 1:  # sign: the L2-optimal scale of a group is the mean |u| of what it keeps
         keep = a > cut if cut is not None else torch.ones_like(ug, dtype=torch.bool)
         s = (a * keep).sum(1) / keep.sum(1).clamp_min(1)
     else:
         s = ug.square().sum(1).div_(torch.full_like(ug[:, 0], group)).sqrt_()
-        if pad:  # the last group is short: its RMS over its real elements
-            last = u[n - (group - pad):]
-            s[-1] = last.square().mean().sqrt()
+        for at, end, n, pad in zip(_offsets(ns), starts[1:], ns, pads):
+            if pad:  # the last group is short: its RMS over its real elements
+                s[end // group - 1] = u[at + n - (group - pad):at + n].square().mean().sqrt()
     s = s.to(torch.bfloat16)
     z = ug / s.float().clamp_min(1e-38)[:, None]
     signed = levels[levels != 0]
@@ -228,11 +250,21 @@ def _quantize_m(mf: torch.Tensor, D: torch.Tensor | None, m: torch.Tensor, *, bi
         half = signed.numel() // 2
         shifted = codes * 2 if bits == 1 else codes + (codes >= half)  # 1 bit: {0, 1} -> {0, 2}
         codes = torch.where(keep if bits == 1 else a > cut, shifted, half)
-    codes = codes.reshape(-1)[:n].to(torch.uint8)
-    meta = {"bits": bits, "group": group, "prune": prune,
-            "normalized": D is not None}
-    return QuantizedTensor(codes=codes, n_levels=int(levels.numel()), codebook=levels, shape=tuple(m.shape),
-                           dtype=dtype_name(m.dtype), side={"scale": s}, meta=meta)
+    codes = codes.reshape(-1).to(torch.uint8)
+    meta = {"bits": bits, "group": group, "prune": prune, "normalized": D is not None}
+    return [QuantizedTensor(codes=codes[at:at + n], n_levels=int(levels.numel()), codebook=levels,
+                            shape=tuple(m.shape), dtype=dtype_name(m.dtype), side={"scale": s[at // group:end // group]},
+                            meta=dict(meta))
+            for m, at, end, n in zip(ms, starts, starts[1:], ns)]
+
+
+def _offsets(ns: list[int]) -> list[int]:
+    """Where each of the concatenated flat tensors of sizes ``ns`` starts."""
+    out, at = [], 0
+    for n in ns:
+        out.append(at)
+        at += n
+    return out
 
 
 def _quantile(x: torch.Tensor, q: float) -> torch.Tensor:
@@ -318,17 +350,53 @@ def encode_pair_levels(m: torch.Tensor, v: torch.Tensor, hp: AdamHP, codec: Grid
                        ) -> tuple[QuantizedTensor | None, QuantizedTensor, torch.Tensor]:
     """encode_pair and v's absolute grid codes (= decode_grid(qv), int64 flat: what the next
     checkpoint's delta is taken against), which a factored qv would otherwise decode again."""
-    if m.shape != v.shape:
-        raise ValueError(f"exp_avg has shape {tuple(m.shape)}, exp_avg_sq {tuple(v.shape)}")
-    vf, mf = _f32(v, "exp_avg_sq"), _f32(m, "exp_avg")
-    D = _denominator(vf, hp)
-    c = _grid_codes(vf, D, hp, codec.v_step, mf)
-    qv = _grid_record(c, v, codec.v_step, codec.factored)
+    return encode_pairs_levels([(m, v, hp)], codec)[0]
+
+
+def encode_pairs_levels(pairs: list[tuple[torch.Tensor, torch.Tensor, AdamHP]], codec: GridCodec
+                        ) -> list[tuple[QuantizedTensor | None, QuantizedTensor, torch.Tensor]]:
+    """encode_pair_levels of many (m, v, hp) at once: their values concatenated, every elementwise
+    pass runs once over all of them (a checkpoint's moments are mostly small tensors, where a
+    pass costs more than its bytes); each result is the one its pair gets alone (tested)."""
+    for m, v, _ in pairs:
+        if m.shape != v.shape:
+            raise ValueError(f"exp_avg has shape {tuple(m.shape)}, exp_avg_sq {tuple(v.shape)}")
+    if not pairs:
+        return []
+    ms, vs = [p[0] for p in pairs], [p[1] for p in pairs]
+    vf, mf = _f32_cat(vs, "exp_avg_sq"), _f32_cat(ms, "exp_avg")
+    ns = [v.numel() for v in vs]
+    bc2, eps = (_per_element([getattr(hp, k) for *_, hp in pairs], ns, vf) for k in ("bc2", "eps"))
+    D = (vf.clamp_min(0) / bc2).sqrt_().add_(eps)  # _denominator
+    c = _grid_codes(vf, D, eps, codec.v_step, mf)
+    cs = [c[at:at + n] for at, n in zip(_offsets(ns), ns)]
+    qvs = [_grid_record(ci, v, codec.v_step, codec.factored) for ci, v in zip(cs, vs)]
     if not codec.m_bits:
-        return None, qv, c
+        return [(None, qv, ci) for qv, ci in zip(qvs, cs)]
     if codec.normalize == "decoded":
-        D = decode_denominator(qv, hp, c)
-    return _quantize_m(mf, D, m, bits=codec.m_bits, group=codec.group, prune=codec.prune), qv, c
+        D = torch.cat([decode_denominator(qv, hp, ci) for qv, (*_, hp), ci in zip(qvs, pairs, cs)])
+    qms = _quantize_ms(mf, D, ms, bits=codec.m_bits, group=codec.group, prune=codec.prune)
+    return list(zip(qms, qvs, cs))
+
+
+def _per_element(values: list[float], ns: list[int], like: torch.Tensor) -> float | torch.Tensor:
+    """One value per tensor as an operand over the concatenated tensors of sizes ``ns``: the value
+    itself when they agree (one optimizer param group: the usual case), else fp32 per element (an
+    op converts a Python float operand to fp32 as well: the same results)."""
+    if len(set(values)) == 1:
+        return values[0]
+    return torch.cat([like.new_full((n,), x) for x, n in zip(values, ns)])
+
+
+def _f32_cat(xs: list[torch.Tensor], name: str) -> torch.Tensor:
+    """_f32 of each tensor, concatenated: one finite check for all (the one that fails is named by _f32)."""
+    if len(xs) == 1:
+        return _f32(xs[0], name)
+    out = torch.cat([x.detach().reshape(-1).to(torch.float32) for x in xs])
+    if not all_finite(out):
+        for x in xs:
+            _f32(x, name)
+    return out
 
 
 def decode_pair(qm: QuantizedTensor | None, qv: QuantizedTensor, hp: AdamHP, m_dtype: str = "float32"
