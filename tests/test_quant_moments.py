@@ -126,3 +126,27 @@ def test_dequantize_m_is_the_repeated_scale_product(adam_pair, n, group):
     q = M.quantize_m(m, D, bits=1, group=group, prune=0.9)
     want = q.codebook[q.codes.long()] * q.side["scale"].float().repeat_interleave(group)[:n] * D
     assert torch.equal(M.dequantize_m(q, D), want)
+
+
+@pytest.mark.parametrize("codec", [M.GridCodec(), M.GridCodec(factored=True, m_bits=3, prune=0.0, group=100),
+                                   M.GridCodec(normalize="decoded", m_bits=2, prune=0.5, group=64),
+                                   M.GridCodec(m_bits=0)])
+def test_batched_pairs_equal_one_by_one(codec):
+    """encode_pairs_levels (one pass over every parameter's moments) gives each pair the codes,
+    scales and levels it gets alone: sizes that do not fill a group, zeros, bf16, per-pair hparams."""
+    g = torch.Generator().manual_seed(3)
+    pairs = []
+    for i, (shape, dtype) in enumerate([((300,), torch.float32), ((64, 96), torch.bfloat16), ((7, 13), torch.float32),
+                                        ((5, 256), torch.float32)]):
+        m, v = torch.randn(shape, generator=g) * 1e-3, torch.rand(shape, generator=g) ** 4 * 1e-5
+        v.view(-1)[::5] = 0
+        m.view(-1)[::10] = 0
+        hp = M.AdamHP(step=3 + 7 * (i % 2), beta2=0.999 - 0.009 * (i % 2), eps=1e-8 * (1 + i % 2))
+        pairs.append((m.to(dtype), v.to(dtype), hp))
+    for (m, v, hp), (qm, qv, c) in zip(pairs, M.encode_pairs_levels(pairs, codec)):
+        em, ev, ec = M.encode_pair_levels(m, v, hp, codec)
+        assert torch.equal(ec, c) and torch.equal(ev.codes, qv.codes) and ev.meta == qv.meta
+        assert all(torch.equal(ev.side[k], qv.side[k]) for k in ev.side)
+        assert (qm is None) == (em is None) == (codec.m_bits == 0)
+        if qm is not None:
+            assert torch.equal(em.codes, qm.codes) and torch.equal(em.side["scale"], qm.side["scale"])
