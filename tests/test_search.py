@@ -326,3 +326,27 @@ def test_chain_records_the_search_in_the_entry_summary(run, tmp_path):
         d = (eval_fn(m) - s["baseline"]) / s["baseline"]
         assert d == pytest.approx(s["degradation"], abs=1e-9)
         assert s["infeasible"] or d <= 0.01
+
+
+def test_save_stores_the_quantization_the_search_evaluated(run, monkeypatch):
+    """A searched save reuses the search's last quantization when it chose it (no second
+    quantization of the weights) and writes the same blobs as one that quantizes again."""
+    snaps, eval_fn = run
+    live = _live(snaps[-1])
+
+    def encode_all(method):
+        ref, out = None, []
+        for snap in snaps[4:6]:
+            ctx = EncodeContext(step=snap.step, model=live, eval_fn=eval_fn, threshold=0.02)
+            enc, ref = method.encode(_flat(snap, live), ref, ctx=ctx)
+            out.append(enc.blobs)
+        return out
+
+    calls = []
+    reusing = get_method("dynaquant")
+    monkeypatch.setattr(reusing, "_quantize", lambda *a: calls.append(1) or type(reusing)._quantize(reusing, *a))
+    got = encode_all(reusing)
+    assert len(calls) < 2  # at least one save stored what its search evaluated
+    fresh = get_method("dynaquant")
+    monkeypatch.setattr(fresh, "remember_trial", lambda *a: None)
+    assert encode_all(fresh) == got

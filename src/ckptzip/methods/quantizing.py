@@ -127,6 +127,7 @@ class QuantizingMethod(Method):
         self.restored = False     # a decoded reference reached this writer: its weights descend from one
         self._bases: dict[str, torch.Tensor] = {}  # this save's residual bases (parent reconstructions)
         self._targets_of: tuple | None = None      # (state, its tensors with residuals in place)
+        self._trial: tuple | None = None           # the search's last quantization: (state, qcfg, gradients, out)
         self.space()  # validates config.search.space now rather than at the first save
         if self.config.search.residual_space is not None:
             self.space_cls.from_any(self.config.search.residual_space)
@@ -173,9 +174,21 @@ class QuantizingMethod(Method):
                 and all_finite(state.tensors[n])}
 
     def search_quantize(self, state: FlatState, knobs: dict, gradients=None) -> dict[str, QuantizedTensor]:
-        """Quantize every ``search_records`` weight under the quantizer config with ``knobs`` replaced."""
-        qcfg = replace(self.config.quantizer, **knobs) if knobs else self.config.quantizer
-        return self._quantize(state, qcfg, gradients)
+        """Quantize every ``search_records`` weight under the quantizer config with ``knobs`` replaced.
+        Inside ``encode`` the last result is kept: when the search chooses what it evaluated last
+        (the usual case), the save stores it instead of quantizing the weights again."""
+        out = self._quantize(state, self._qconfig(knobs), gradients)
+        self.remember_trial(state, knobs, gradients, out)
+        return out
+
+    def remember_trial(self, state: FlatState, knobs: dict, gradients, quantized: dict[str, QuantizedTensor]) -> None:
+        """Keep the search's last quantization of ``state`` (inside ``encode`` only): a search that
+        quantizes through its own prepared batch (``search_prepare``) hands it here."""
+        if self._trial is not None:
+            self._trial = (state, self._qconfig(knobs), gradients, quantized)
+
+    def _qconfig(self, knobs: dict):
+        return replace(self.config.quantizer, **knobs) if knobs else self.config.quantizer
 
     def search_dequantize(self, q: QuantizedTensor, name: str | None = None) -> torch.Tensor:
         """What the decoder rebuilds from ``q``, record ``name``'s quantization in this save."""
@@ -287,10 +300,20 @@ class QuantizingMethod(Method):
                               "encode/decode returned, or None for a keyframe")
         with self._against(state, prev) as bases:
             t0 = time.perf_counter()
-            knobs, search_info = self.choose_knobs(state, self._estimate_reference(prev, reference), ctx)
-            search_s = time.perf_counter() - t0
-            qcfg = replace(cfg.quantizer, **knobs) if knobs else cfg.quantizer
-            quantized = self._quantize(state, qcfg, ctx.gradients)
+            self._trial = ()  # search_quantize keeps its last result from here on
+            try:
+                knobs, search_info = self.choose_knobs(state, self._estimate_reference(prev, reference), ctx)
+                search_s = time.perf_counter() - t0
+                qcfg = self._qconfig(knobs)
+                trial, self._trial = self._trial, None
+                if trial and trial[0] is state and trial[1] == qcfg and trial[2] is ctx.gradients:
+                    quantized = trial[3]  # what the search evaluated last: the same quantization
+                    for q in quantized.values():
+                        q.codes = qrecord.compact(q.codes, q.n_levels)
+                else:
+                    quantized = self._quantize(state, qcfg, ctx.gradients)
+            finally:
+                self._trial = None
         recon = {} if not self._keeps_recon() else \
             {n: self._reconstruct(q, bases.get(n)) for n, q in quantized.items()}
         enc = Encoded(keyframe=prev is None or not (self.delta_weights or self._moment_deltas))

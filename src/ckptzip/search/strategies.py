@@ -143,9 +143,13 @@ class TrialRunner:
 
     # --- one candidate, on this rank --------------------------------------------------------
     def _quantize(self, c: Candidate) -> dict:
-        if self.prepared is not None:
-            return self.prepared.quantize(c.knobs())
-        return self.method.search_quantize(self.state, c.knobs(), self.gradients)
+        if self.prepared is None:
+            return self.method.search_quantize(self.state, c.knobs(), self.gradients)
+        q = self.prepared.quantize(c.knobs())
+        remember = getattr(self.method, "remember_trial", None)  # the save may store what was evaluated
+        if remember is not None:
+            remember(self.state, c.knobs(), self.gradients, q)
+        return q
 
     def _estimate(self, q: dict) -> tuple[float, float]:
         return estimate_bits(q, self.reference, coding=self.method.search_coding)
