@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..codec import stages as S
@@ -79,8 +80,11 @@ def choose_coder(codes: torch.Tensor, prev: Codes | None) -> tuple[str, bool, bo
     """
     if prev is None:
         return "ans", False, False
-    same = float((codes.reshape(-1).cpu() == prev.codes.reshape(-1).to(torch.int64)).float().mean()) \
-        if codes.numel() else 1.0
+    same = 1.0
+    if codes.numel():  # the share of unchanged codes as torch's fp32 mean of the 0/1 mask computes it
+        # (fp32 sum / fp32 n; the sum is exact below 2**24 elements), from an exact count: no copies
+        n_same = int(torch.eq(codes.reshape(-1).cpu(), prev.codes.reshape(-1)).sum())
+        same = float(np.float32(n_same) / np.float32(codes.numel()))
     return ("huffman", True, True) if same >= AUTO_RUNS_ABOVE else ("ans", False, False)
 
 
