@@ -5,11 +5,10 @@ has long runs of zero high bits -- the sign/exponent plane becomes almost all ze
 removes it. The reference is the previous checkpoint's exact tensors.
 
 Small records (under ``group_below`` bytes: biases, norms, scalars) are not compressed one by one
-(four zstd frames and a checksum each would cost more than their bytes): the words of all small
-records of one width and kind (float or not) are concatenated, each XORed with its parent where it
-has one, into one byte-grouped blob ``group.<width><f|i>``, and each such record names its words
-as ``meta.group = [blob key, offset, count]`` (pipeline stage ``group/1``). ``group_below = 0``
-gives every record its own blob (the layout before issue 15; both decode the same way).
+(four zstd frames and a checksum each would cost more than their bytes): their words, each XORed
+with its parent where it has one, go into the group blobs of methods/groups.py (stage ``group/1``).
+``group_below = 0`` gives every record its own blob (the layout before issue 15; both decode the
+same way).
 
 Decode recipe: per record, its words from its own blob or its group's (each group blob
 decompressed once per file), viewed as the record's dtype and shape, XORed with the parent's

@@ -30,6 +30,7 @@ Call order (decode v before m: m needs D_q)::
     hp = AdamHP(step, beta1, beta2, eps)
     qm, qv = encode_pair(m, v, hp, GridCodec())     # = quantize_v, then quantize_m by D
     qm, qv, c = encode_pair_levels(m, v, hp, codec) # the same and v's absolute levels c = decode_grid(qv)
+    [(qm, qv, c), ...] = encode_pairs_levels([(m, v, hp), ...], codec)  # many at once, the same results
     m_q, v_q = decode_pair(qm, qv, hp)              # = decode_denominator, v_from_denominator, dequantize_m
 
 SGD momentum (no v): ``quantize_m(buf, None, ...)`` quantizes the buffer itself (D = 1).
