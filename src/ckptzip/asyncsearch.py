@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .methods.base import EncodeContext
+from .parallel import serial_kernels
 from .search.quality import scratch_copy
 from .state import FlatState, flatten_state
 
@@ -133,6 +134,7 @@ class SearchingSaver:
             raise self._errors[0]
 
     def _run(self) -> None:
+        serial_kernels()  # the trainer's OpenMP team keeps its cores (parallel.py says why)
         while True:
             job = self._jobs.get()
             try:
