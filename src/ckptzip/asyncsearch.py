@@ -1,5 +1,8 @@
 """The config search of asynchronous saves, on a background thread of the trainer.
 
+(Where the user can name a factory of the model and eval_fn, ``EngineOptions.agent_eval``, the
+agent searches instead and none of this runs: no GIL shared with the training loop.)
+
 An async save (``Compressor(async_save=True)``) returns once the state is copied; the agent process
 (engine/) encodes the copy. The agent cannot run ``eval_fn`` (a closure over the live model does not
 cross processes), so for a method that searches its config the trainer runs the search itself, off
