@@ -161,14 +161,34 @@ def _plan_adam(state: FlatState, views: list[ParamView], grids: tuple[M.GridCode
         p = prev.codes.get(vname) if prev is not None else None
         parents[vname] = p if p is not None and p.codes.numel() == state.tensors[vname].numel() else None
     out = {}
-    for grid, batch in ((g, [w for w in views if (parents[w.moments["exp_avg_sq"]] is not None) == delta])
-                        for delta, g in ((False, grids[0]), (True, grids[1]))):
+    for grid, batch in ((g, b) for delta, g in ((False, grids[0]), (True, grids[1]))
+                        for b in _batches([w for w in views if (parents[w.moments["exp_avg_sq"]] is not None) == delta],
+                                          state)):
         hps = [M.AdamHP(w.step, *w.hparams.betas, w.hparams.eps) for w in batch]
         pairs = [(state.tensors[w.moments["exp_avg"]], state.tensors[w.moments["exp_avg_sq"]], hp)
                  for w, hp in zip(batch, hps)]
         for view, hp, (qm, qv, levels) in zip(batch, hps, M.encode_pairs_levels(pairs, grid)):
             out.update(_adam_items(view, hp, grid, qm, qv, levels, parents[view.moments["exp_avg_sq"]]))
     return {name: out[name] for view in views for name in (view.moments["exp_avg_sq"], view.moments["exp_avg"])}
+
+
+BATCH_NUMEL = 1 << 20  # moment elements per batch: small tensors share passes, the temporaries stay small
+
+
+def _batches(views: list[ParamView], state: FlatState) -> Iterator[list[ParamView]]:
+    """Consecutive runs of ``views`` of up to BATCH_NUMEL moment elements (a larger tensor alone):
+    a batch's fp32 and int64 temporaries are ~40 bytes per element, all of them at once would
+    exceed the save's memory budget (1.5x the state) on a large model."""
+    batch, size = [], 0
+    for view in views:
+        n = state.tensors[view.moments["exp_avg"]].numel()
+        if batch and size + n > BATCH_NUMEL:
+            yield batch
+            batch, size = [], 0
+        batch.append(view)
+        size += n
+    if batch:
+        yield batch
 
 
 def _adam_items(view: ParamView, hp: M.AdamHP, grid: M.GridCodec, qm: QuantizedTensor | None, qv: QuantizedTensor,
