@@ -130,3 +130,26 @@ def test_m_not_stored(tmp_path, digits_snapshots):
     assert enc.records[name]["pipeline"] == ["moment-direction/1"] and not enc.records[name]["blobs"]
     out, _ = m.decode(flat.records, enc, None, ctx=DecodeContext(step=1))
     assert not bool(out[name].any()) and bool(out["optimizer/state/0/exp_avg_sq"].any())
+
+
+def test_moment_batches_do_not_change_the_records(digits_snapshots, monkeypatch):
+    """plan_moments encodes the Adam pairs in batches of up to BATCH_NUMEL elements: any split of
+    the parameters into batches plans the same records."""
+    from ckptzip.methods import moments as MM
+
+    torch.set_num_threads(1)
+    model, opt, snaps, _ = digits_snapshots
+    flat = flatten_state({"model": snaps[-1].model, "optimizer": snaps[-1].optimizer}, model, opt)
+    cfg = get_method("dynaquant").config
+
+    def plan():
+        return MM.plan_moments(flat, cfg.moments, None, marker="dynaquant/1", codes=cfg.codes)
+
+    whole = plan()
+    monkeypatch.setattr(MM, "BATCH_NUMEL", 1000)  # every tensor of this model in a batch of its own or two
+    split = plan()
+    assert list(whole) == list(split) and len(whole) >= 4
+    for name, a in whole.items():
+        b = split[name]
+        assert a.meta == b.meta and torch.equal(a.q.codes, b.q.codes)
+        assert all(torch.equal(a.q.side[k], b.q.side[k]) for k in a.q.side)
