@@ -150,3 +150,29 @@ def test_batched_pairs_equal_one_by_one(codec):
         assert (qm is None) == (em is None) == (codec.m_bits == 0)
         if qm is not None:
             assert torch.equal(em.codes, qm.codes) and torch.equal(em.side["scale"], qm.side["scale"])
+
+
+@pytest.mark.parametrize("codec", [M.GridCodec(), M.GridCodec(prune=0.0, group=100)])
+@pytest.mark.parametrize("overflow", [False, True])
+def test_numba_tails_equal_the_torch_reference(codec, overflow, monkeypatch):
+    """quant/momentkernels.py (grid codes' integer tail, 1-bit direction codes) against the plain-torch
+    code beside them; ``overflow``: a denominator whose log is inf (the grid kernel hands it back)."""
+    if not M.K.HAVE_NUMBA:
+        pytest.skip("numba is not installed")
+    g = torch.Generator().manual_seed(5)
+    pairs = []
+    for i, n in enumerate((1000, 4096, 333)):
+        m, v = torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) ** 4 * 1e-5
+        v[::5] = 0
+        m[::10] = 0
+        pairs.append((m, v, M.AdamHP(step=5 + i, eps=1e-45 if overflow and not i else 1e-8)))
+    calls = []
+    tail = M.K.grid_tail
+    monkeypatch.setattr(M.K, "grid_tail", lambda *a: calls.append(1) or tail(*a))
+    fast = M.encode_pairs_levels(pairs, codec)
+    assert calls
+    monkeypatch.setattr(M, "_use_kernels", lambda x: False)
+    for (qm, qv, c), (rm, rv, rc) in zip(fast, M.encode_pairs_levels(pairs, codec)):
+        assert torch.equal(c, rc) and torch.equal(qv.codes, rv.codes)
+        bits = lambda q: q.side["scale"].view(torch.int16)  # noqa: E731 (NaN scales where D / eps is inf)
+        assert torch.equal(qm.codes, rm.codes) and torch.equal(bits(qm), bits(rm))

@@ -46,6 +46,7 @@ import torch
 from ..configcheck import OneOf, Range, check_fields
 from ..errors import ConfigError, NonFiniteError
 from ..tensorbytes import dtype_name, torch_dtype
+from . import momentkernels as K
 from .base import MIN_NUMEL_RANGE, QuantizedTensor, all_finite
 
 # Positive reconstruction levels in units of the group scale: 1 bit, +-1 times the mean |u| (the
@@ -119,11 +120,21 @@ def _grid_codes(vf: torch.Tensor, D: torch.Tensor, eps: float | torch.Tensor, st
     """grid_codes of checked flat fp32 v (and m) whose denominator is D (``eps``: Adam's, or one per element)."""
     if not step > 0:
         raise ConfigError(f"moment grid step must be > 0 (log2 units), got {step}")
-    c = torch.div(D, eps).log2_().div_(step).round_().to(torch.int64).clamp_min_(1)
+    t = torch.div(D, eps).log2_().div_(step)
+    if _use_kernels(t):  # the integer tail below in one pass (quant/momentkernels.py)
+        out = np.empty(t.numel(), dtype=np.int64)
+        if K.grid_tail(t.numpy(), vf.numpy(), (mf if mf is not None else vf[:0]).numpy(), out):
+            return torch.from_numpy(out)
+    c = t.round_().to(torch.int64).clamp_min_(1)
     zero = vf == 0
     if mf is not None:
         zero &= mf == 0
     return c.masked_fill_(zero, 0)
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    """Whether the numba tails of quant/momentkernels.py run (CPU, numba installed); else the torch reference."""
+    return K.HAVE_NUMBA and x.device.type == "cpu"
 
 
 def quantize_v(v: torch.Tensor, hp: AdamHP, *, step: float = 0.5, factored: bool = False,
@@ -241,6 +252,12 @@ def _quantize_ms(mf: torch.Tensor, D: torch.Tensor | None, ms: list[torch.Tensor
             if pad:  # the last group is short: its RMS over its real elements
                 s[end // group - 1] = u[at + n - (group - pad):at + n].square().mean().sqrt()
     s = s.to(torch.bfloat16)
+    if bits == 1 and _use_kernels(ug):  # z, its sign and the zero level in one pass (quant/momentkernels.py)
+        out = np.empty(tuple(ug.shape), dtype=np.uint8)
+        K.sign_tail(ug.numpy(), s.float().clamp_min(1e-38).numpy(),
+                    (cut.reshape(-1) if cut is not None else ug.new_empty(0)).numpy(), out)
+        return _split_m(torch.from_numpy(out).reshape(-1), s, levels, ms, starts, ns, bits=bits, group=group,
+                        prune=prune, normalized=D is not None)
     z = ug / s.float().clamp_min(1e-38)[:, None]
     signed = levels[levels != 0]
     bounds = (signed[1:] + signed[:-1]) / 2
@@ -251,8 +268,14 @@ def _quantize_ms(mf: torch.Tensor, D: torch.Tensor | None, ms: list[torch.Tensor
         half = signed.numel() // 2
         shifted = codes * 2 if bits == 1 else codes + (codes >= half)  # 1 bit: {0, 1} -> {0, 2}
         codes = torch.where(keep if bits == 1 else a > cut, shifted, half)
-    codes = codes.reshape(-1).to(torch.uint8)
-    meta = {"bits": bits, "group": group, "prune": prune, "normalized": D is not None}
+    return _split_m(codes.reshape(-1).to(torch.uint8), s, levels, ms, starts, ns, bits=bits, group=group,
+                    prune=prune, normalized=D is not None)
+
+
+def _split_m(codes: torch.Tensor, s: torch.Tensor, levels: torch.Tensor, ms: list[torch.Tensor], starts: list[int],
+             ns: list[int], **meta) -> list[QuantizedTensor]:
+    """Each tensor's records from the batch's padded codes and group scales."""
+    group = meta["group"]
     return [QuantizedTensor(codes=codes[at:at + n], n_levels=int(levels.numel()), codebook=levels,
                             shape=tuple(m.shape), dtype=dtype_name(m.dtype), side={"scale": s[at // group:end // group]},
                             meta=dict(meta))

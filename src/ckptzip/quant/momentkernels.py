@@ -1,0 +1,54 @@
+"""The moment codec's integer tails (quant/moments.py) as numba kernels: one pass each where the
+plain-torch reference beside them in quant/moments.py takes several (compares, casts, masks: on a
+checkpoint's ~1M moment values each pass costs about a millisecond). Both take the float values
+torch computed and only compare, round and select, so their results are the reference's bit for
+bit (tests/test_quant_moments.py); CUDA tensors and hosts without numba run the reference::
+
+    ok = grid_tail(t, vf, mf, out)          # c = max(rint(t), 1), 0 where v == 0 (and m == 0); False: t not finite
+    sign_tail(ug, scale, cut, out)          # 1-bit direction codes: 2 / 0 by the sign of u / s, 1 where |u| <= cut
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..logbuckets import HAVE_NUMBA
+
+if HAVE_NUMBA:
+    import numba as _numba
+
+__all__ = ["HAVE_NUMBA", "grid_tail", "sign_tail"]
+
+if HAVE_NUMBA:
+    @_numba.njit(cache=True, nogil=True)
+    def grid_tail(t, vf, mf, out):  # pragma: no cover - compiled
+        """out = max(rint(t), 1) as int64, 0 where vf == 0 (and mf == 0 when mf is not empty);
+        False (out unfinished) when a t is not finite: the caller runs the reference."""
+        has_m = mf.shape[0] == t.shape[0]
+        for i in range(t.shape[0]):
+            x = t[i]
+            if not np.isfinite(x):
+                return False
+            c = np.int64(np.rint(x))
+            if c < 1:
+                c = 1
+            if vf[i] == 0 and (not has_m or mf[i] == 0):
+                c = 0
+            out[i] = c
+        return True
+
+    @_numba.njit(cache=True, nogil=True)
+    def sign_tail(ug, scale, cut, out):  # pragma: no cover - compiled
+        """1-bit codes of (rows, group) fp32 ``ug`` with per-row fp32 ``scale`` (> 0): the sign of
+        z = u / scale (z > 0: 1, else 0); with per-row ``cut`` (not empty): 2 / 0, and 1 where |u| <= cut."""
+        has_cut = cut.shape[0] == ug.shape[0]
+        for r in range(ug.shape[0]):
+            s = scale[r]
+            for j in range(ug.shape[1]):
+                u = ug[r, j]
+                pos = np.uint8(1) if u / s > np.float32(0) else np.uint8(0)
+                if has_cut:
+                    out[r, j] = pos * np.uint8(2) if abs(u) > cut[r] else np.uint8(1)
+                else:
+                    out[r, j] = pos
+else:  # pragma: no cover
+    grid_tail = sign_tail = None
