@@ -85,8 +85,9 @@ def failure_steps(wl: Workload, n: int) -> list[int]:
 
 
 def run(wl: Workload, method: str | None, *, failures: int = 10, threshold: float = 0.01, url: str | None = None,
-        progress=None, method_config=None, seed: int = 0, async_save: bool = False) -> RunResult:
-    """Train ``wl`` once. method=None: the uncompressed reference (no checkpoints, no failures)."""
+        progress=None, method_config=None, seed: int = 0, async_save: bool = False, base: bool = True) -> RunResult:
+    """Train ``wl`` once. method=None: the uncompressed reference (no checkpoints, no failures).
+    ``base``: give the chain the workload's base weights (``Workload.base``; synchronous saves only)."""
     own_dir = url is None and method is not None
     if own_dir:
         url = tempfile.mkdtemp(prefix=f"ckptzip-{wl.name}-{method}-")
@@ -94,13 +95,15 @@ def run(wl: Workload, method: str | None, *, failures: int = 10, threshold: floa
     if method_config is None and method is not None:
         method_config = wl.method_configs.get(method)
     model, opt, sched = wl.build(seed)
+    base_sd = wl.base() if base and wl.base is not None and method is not None and not async_save else None
 
     def compressor(m, o, s):
         if method is None:
             return None
         th = wl.threshold if wl.threshold is not None else threshold
         return Compressor(m, o, url, method, config=method_config, threshold=th, restores=failures,
-                          eval_fn=wl.eval_fn, scheduler=s, save_every=wl.ckpt_every, async_save=async_save)
+                          eval_fn=wl.eval_fn, scheduler=s, save_every=wl.ckpt_every, async_save=async_save,
+                          base=base_sd)
 
     ck = compressor(model, opt, sched)
     fail_at = set(failure_steps(wl, failures)) if method is not None else set()

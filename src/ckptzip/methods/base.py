@@ -94,12 +94,14 @@ class EncodeContext:
     process_group: object | None = None           # parallel search trials; every rank must call save
     search: dict | None = None                    # a config search already run elsewhere (async saves:
                                                   # the trainer's search thread): {"knobs", "info", "state"}
+    base: object | None = None                    # basestate.BaseWeights: keyframes as residuals against it
 
 
 @dataclass(kw_only=True)
 class DecodeContext:
     step: int
     device: str | torch.device = "cpu"
+    base: object | None = None                    # basestate.BaseWeights, for files coded against one
 
 
 class Method(ABC):

@@ -30,6 +30,12 @@ minus the parent's reconstruction, and decodes to ``recon_prev + dequantize(q)``
 
 The search judges ``recon_prev + dequantize(q)`` and estimates a residual's codes as a keyframe's.
 
+Base keyframes (``EncodeContext.base``, basestate.py: the weights a fine-tuning run started from).
+Unless ``residual="never"``, a keyframe given a base quantizes ``w - base`` (stage ``residual/1``,
+the base's digest in the method meta) and the deltas after it are residuals too; decoding it needs
+``DecodeContext.base`` with that digest (``BaseMismatchError`` otherwise). Without a base, keyframes
+quantize the weights (the paper).
+
 Every config nests its quantizer's config, so every knob reaches a chain::
 
     get_method("dynaquant", {"quantizer": {"bins": 8, "domain": "sqrt"}, "moments": {"bins": 32},
@@ -52,6 +58,7 @@ import torch
 from ..codec import stages as S
 from ..codec.entropy import CODERS
 from ..configcheck import OneOf, check_fields
+from .. import basestate
 from ..errors import ConfigError, CorruptCheckpointError
 from ..quant import dynaquant as dq
 from ..quant.base import QuantizedTensor, all_finite
@@ -124,6 +131,7 @@ class QuantizingMethod(Method):
         self.search_state = None  # the config search's memory between saves (previous best, ...)
         self.restored = False     # a decoded reference reached this writer: its weights descend from one
         self._bases: dict[str, torch.Tensor] = {}  # this save's residual bases (parent reconstructions)
+        self._base_chain = False  # the last keyframe was coded against base weights: its deltas are residuals
         self._targets_of: tuple | None = None      # (state, its tensors with residuals in place)
         self.space()  # validates config.search.space now rather than at the first save
         if self.config.search.residual_space is not None:
@@ -243,10 +251,10 @@ class QuantizingMethod(Method):
         return self._targets_of[1]
 
     @contextmanager
-    def _against(self, state: FlatState, prev: "QuantizedReference | None"):
+    def _against(self, state: FlatState, prev: "QuantizedReference | None", base=None):
         """This save's residual bases in place (``targets``, ``search_dequantize`` and the search
-        read them) for the block; yields them."""
-        self._bases = self._residual_bases(state, prev)
+        read them) for the block; yields them. ``base``: BaseWeights for a keyframe (``prev`` None)."""
+        self._bases = self._residual_bases(state, prev, base)
         try:
             yield self._bases
         finally:
@@ -255,21 +263,28 @@ class QuantizingMethod(Method):
     def _estimate_reference(self, prev: "QuantizedReference | None", reference):
         """The search's reference: a residual's codes are estimated as a keyframe's (they are not
         deltas of the parent's codes)."""
-        if not self._bases:
+        if not self._bases or prev is None:
             return reference
         return replace(prev, weights={n: c for n, c in prev.weights.items() if n not in self._bases})
 
-    def _residual_bases(self, state: FlatState, prev: "QuantizedReference | None") -> dict[str, torch.Tensor]:
-        """Record -> the parent's reconstruction, for the weights this save codes as residuals."""
-        if prev is None or self.config.residual == "never":
+    def _residual_bases(self, state: FlatState, prev: "QuantizedReference | None",
+                        base=None) -> dict[str, torch.Tensor]:
+        """Record -> the parent's reconstruction (or, for a keyframe, the base weights), for the
+        weights this save codes as residuals."""
+        if self.config.residual == "never":
             return {}
+        if prev is None:
+            if base is None:
+                return {}
+            quantized = self.search_records(state)
+            return {n: b for n, b in base.matching(state.tensors).items() if n in quantized}
         self.restored = self.restored or bool(prev.recon)
         return {n: b for n, b in prev.recon.items()
                 if n in state.tensors and tuple(b.shape) == tuple(state.tensors[n].shape)}
 
     def _keeps_recon(self) -> bool:
         r = self.config.residual
-        return r == "always" or (r == "restored" and self.restored)
+        return r == "always" or (r == "restored" and (self.restored or self._base_chain))
 
     def _reconstruct(self, q: QuantizedTensor, base: torch.Tensor | None) -> torch.Tensor:
         """The weight the decoder rebuilds: ``dequantize(q)``, plus ``base`` for a residual."""
@@ -283,7 +298,9 @@ class QuantizingMethod(Method):
         if reference is not None and prev is None:
             raise ConfigError(f"{self.name} was given a reference it did not make; pass the Reference its "
                               "encode/decode returned, or None for a keyframe")
-        with self._against(state, prev) as bases:
+        with self._against(state, prev, ctx.base) as bases:
+            if prev is None:
+                self._base_chain = bool(bases)
             t0 = time.perf_counter()
             knobs, search_info = self.choose_knobs(state, self._estimate_reference(prev, reference), ctx)
             search_s = time.perf_counter() - t0
@@ -315,11 +332,18 @@ class QuantizingMethod(Method):
                                **search_info, **({"residual": True} if bases else {})}
         if self.search_state is not None:
             enc.meta["search_state"] = self.search_state  # read back by resume() after a restart
+        if enc.keyframe and bases:
+            enc.meta["base"] = ctx.base.digest  # a restore needs the same base (basestate.require)
         return enc, self._reference(ctx.step, codes_w, codes_m, recon)
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
         prev = reference if isinstance(reference, QuantizedReference) else None
+        if prev is not None:
+            bases = prev.recon
+        else:  # a keyframe: residuals only against the base weights it names
+            digest = encoded.meta.get("base")
+            bases = {} if digest is None else basestate.require(ctx.base, str(digest), ctx.step).tensors
         out: dict[str, torch.Tensor] = {}
         codes_w, moment_records = {}, {}
         for name, rec in records.items():
@@ -331,10 +355,10 @@ class QuantizingMethod(Method):
                 q = qrecord.load(encoded, name, rec.shape, rec.dtype, prev.weights.get(name) if prev else None)
                 base = None
                 if qrecord.is_residual(encoded, name):
-                    base = prev.recon.get(name) if prev else None
+                    base = bases.get(name)
                     if base is None or tuple(base.shape) != tuple(rec.shape):
                         raise CorruptCheckpointError(f"record {name!r} is a residual but its parent checkpoint "
-                                                     "has no reconstruction of that shape for it")
+                                                     "(or base) has no reconstruction of that shape for it")
                 try:
                     out[name] = self._reconstruct(q, base)
                 except ValueError as e:
