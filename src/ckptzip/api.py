@@ -34,7 +34,11 @@ ARGS = {"threshold": (float, Range(ge=0, lt=1, note=" (a relative degradation)")
 
 
 def rng_state() -> dict:
-    out = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    version, words, gauss = random.getstate()
+    # Python's Mersenne Twister words as an array: a tensor record (``same/1`` while unused), not
+    # 625 integers in every file's JSON skeleton
+    out = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+           "python": (version, np.asarray(words, dtype=np.uint32), gauss)}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state_all()
     return out
@@ -43,14 +47,10 @@ def rng_state() -> dict:
 def set_rng_state(st: dict) -> None:
     torch.set_rng_state(st["torch"])
     np.random.set_state(st["numpy"])
-    random.setstate(_tuples(st["python"]))
+    version, words, gauss = st["python"]
+    random.setstate((version, tuple(int(w) for w in words), gauss))  # words: an array, or a list in older files
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(st["cuda"])
-
-
-def _tuples(x):
-    # random.setstate wants tuples all the way down
-    return tuple(_tuples(v) for v in x) if isinstance(x, list | tuple) else x
 
 
 # Share of a restore's degradation still present one restore interval later. Measured on the GPT-2

@@ -35,7 +35,7 @@ from ..codec import stages as S
 from ..configcheck import check_tree, check_value
 from ..errors import ConfigError, CorruptCheckpointError, UnknownMethodError
 from ..state import FlatState, TensorRecord
-from ..tensorbytes import tensor_from_bytes, tensor_to_bytes
+from ..tensorbytes import dtype_name, tensor_from_bytes, tensor_to_bytes
 
 
 @dataclass(frozen=True)
@@ -273,8 +273,13 @@ EXACT_PIPELINE = S.pipeline(S.EXACT, S.BYTEGROUP)
 _RAW_BELOW_BYTES = 256  # byte-group headers and zstd frames cost more than they save on tiny tensors
 
 
-def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3) -> None:
+def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3, parent: torch.Tensor | None = None) -> None:
+    """Store ``t`` bit for bit; as ``same/1`` (no blob) when it equals ``parent``, the parent checkpoint's
+    decoded record (RNG states and frozen tensors repeat from save to save)."""
     raw = tensor_to_bytes(t)
+    if parent is not None and parent.dtype == t.dtype and parent.shape == t.shape and tensor_to_bytes(parent) == raw:
+        enc.add(name, S.pipeline(S.EXACT, S.SAME), {})
+        return
     if len(raw) < _RAW_BELOW_BYTES:
         enc.add(name, S.pipeline(S.EXACT, S.RAW), {}, data=raw)
         return
@@ -282,7 +287,13 @@ def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3) ->
                                                               float_bits=t.is_floating_point(), level=level))
 
 
-def decode_exact(enc: Encoded, name: str, rec: TensorRecord) -> torch.Tensor:
+def decode_exact(enc: Encoded, name: str, rec: TensorRecord, parent: torch.Tensor | None = None) -> torch.Tensor:
+    """``parent``: the parent checkpoint's decoded record of this name, for ``same/1``."""
+    if S.SAME.descriptor in enc.records[name]["pipeline"]:
+        if parent is None or dtype_name(parent.dtype) != rec.dtype or tuple(parent.shape) != tuple(rec.shape):
+            raise CorruptCheckpointError(f"record {name!r} is stored as its parent's, but the parent checkpoint "
+                                         "has no such record of that dtype and shape")
+        return parent.clone()
     data = enc.blob(name, "data")
     raw = data if S.RAW.descriptor in enc.records[name]["pipeline"] else bytegroup.decompress(data)
     return tensor_from_bytes(raw, rec.dtype, rec.shape)

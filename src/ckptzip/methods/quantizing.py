@@ -106,15 +106,18 @@ class QuantizingMethodConfig:
 @dataclass(frozen=True)
 class QuantizedReference(Reference):
     """The previous save's codes: weights' (delta methods) and moments' (``MomentConfig.delta``);
-    ``recon``: the quantized weights as decoded (what a residual record is added to)."""
+    ``recon``: the quantized weights as decoded (what a residual record is added to); ``exact``: the
+    exact records as decoded (a record that repeats is stored as ``same/1``)."""
 
     weights: Mapping[str, qrecord.Codes] = field(default_factory=dict)
     moments: moments.MomentReference | None = None
     recon: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    exact: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     def tensors(self) -> Iterator[torch.Tensor]:
         yield from (c.codes for c in self.weights.values())
         yield from self.recon.values()
+        yield from self.exact.values()
         if self.moments is not None:
             yield from self.moments.tensors()
 
@@ -312,7 +315,7 @@ class QuantizingMethod(Method):
         stage = S.QUANTIZED_RECORD[self.name].descriptor  # the qrecord layout, unchanged since v0.1
         planned = moments.plan_moments(state, cfg.moments, None if enc.keyframe else prev.moments,
                                        marker=stage, codes=cfg.codes)
-        codes_w, codes_m = {}, {}
+        codes_w, codes_m, exact = {}, {}, {}
         for name, rec in state.records.items():
             q = quantized.get(name)
             if name in planned:
@@ -320,7 +323,8 @@ class QuantizingMethod(Method):
                 if c is not None:
                     codes_m[name] = c
             elif q is None:
-                encode_exact(enc, name, state.tensors[name])
+                t = exact[name] = state.tensors[name].detach().to("cpu", copy=True)  # training moves the live one
+                encode_exact(enc, name, t, parent=None if enc.keyframe else prev.exact.get(name))
             else:
                 p = None if enc.keyframe else prev.weights.get(name)
                 meta = {k: v for k, v in q.meta.items() if k in qrecord.RECORD_META}
@@ -334,7 +338,7 @@ class QuantizingMethod(Method):
             enc.meta["search_state"] = self.search_state  # read back by resume() after a restart
         if enc.keyframe and bases:
             enc.meta["base"] = ctx.base.digest  # a restore needs the same base (basestate.require)
-        return enc, self._reference(ctx.step, codes_w, codes_m, recon)
+        return enc, self._reference(ctx.step, codes_w, codes_m, recon, exact)
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
@@ -348,7 +352,7 @@ class QuantizingMethod(Method):
         codes_w, moment_records = {}, {}
         for name, rec in records.items():
             if is_exact(encoded, name):
-                out[name] = decode_exact(encoded, name, rec)
+                out[name] = decode_exact(encoded, name, rec, prev.exact.get(name) if prev else None)
             elif rec.role != "weight":
                 moment_records[name] = rec
             else:
@@ -370,12 +374,12 @@ class QuantizingMethod(Method):
         # every decoded weight stays a possible residual base: the writer that takes this reference over
         # decides (its config.residual), and a residual record's parent may be of another config
         ref = self._reference(ctx.step, codes_w, mref.codes if mref is not None else {},
-                              {n: out[n] for n in codes_w})
+                              {n: out[n] for n in codes_w}, {n: out[n] for n in records if is_exact(encoded, n)})
         return {n: t.to(ctx.device) for n, t in out.items()}, ref
 
-    def _reference(self, step: int, codes_w: dict, codes_m: dict, recon: dict) -> QuantizedReference:
+    def _reference(self, step: int, codes_w: dict, codes_m: dict, recon: dict, exact: dict) -> QuantizedReference:
         return QuantizedReference(step, codes_w if self.delta_weights else {},
-                                  moments.MomentReference(codes_m) if self._moment_deltas else None, recon)
+                                  moments.MomentReference(codes_m) if self._moment_deltas else None, recon, exact)
 
     @property
     def _moment_deltas(self) -> bool:
