@@ -50,7 +50,7 @@ def test_restore_needs_the_same_base(tmp_path, digits_snapshots):
     model, opt, snaps, _ = digits_snapshots
     ch = CheckpointChain(tmp_path, "dynaquant", CFG, base=snaps[0].model)
     ch.save(_state(snaps[1]), snaps[1].step, model=model, optimizer=opt)
-    with pytest.raises(BaseMismatchError, match=r"coded against base weights [0-9a-f]{16}; pass base="):
+    with pytest.raises(BaseMismatchError, match=r"coded against base weights [0-9a-f]{16}; pass the state_dict .* as base="):
         CheckpointChain(tmp_path).restore()
     with pytest.raises(BaseMismatchError, match="but the base given is"):
         CheckpointChain(tmp_path, base=snaps[2].model).restore()
@@ -101,3 +101,31 @@ def test_compressor_restores_a_base_chain_into_a_new_model(tmp_path, digits_snap
     assert Compressor(fresh, torch.optim.Adam(fresh.parameters()), tmp_path, base=base).restore() == 2
     assert random.random() == expected
     assert float((fresh.fc2.weight.detach() - snaps[2].model["fc2.weight"]).norm() / snaps[2].model["fc2.weight"].norm()) < 0.05
+
+
+def test_cli_restore_and_verify_take_the_base_file(tmp_path, digits_snapshots):
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from ckptzip.cli import app
+
+    model, opt, snaps, _ = digits_snapshots
+    ch = CheckpointChain(tmp_path / "chain", "dynaquant", CFG, base=snaps[0].model)
+    for s in snaps[1:3]:
+        ch.save(_state(s), s.step, model=model, optimizer=opt)
+    save_file({k: v.contiguous() for k, v in snaps[0].model.items()}, tmp_path / "base.safetensors")
+    torch.save(snaps[1].model, tmp_path / "other.pt")
+
+    def cli(*args):
+        return CliRunner().invoke(app, [str(a) for a in args])
+
+    r = cli("verify", tmp_path / "chain")
+    assert r.exit_code == 1 and "--base FILE" in r.output
+    r = cli("restore", tmp_path / "chain", "--out", tmp_path / "x.safetensors", "--base", tmp_path / "other.pt")
+    assert r.exit_code == 2 and "but the base given is" in r.output
+    r = cli("verify", tmp_path / "chain", "--base", tmp_path / "base.safetensors")
+    assert r.exit_code == 0 and "OK: 2 checkpoints verified" in r.output, r.output
+    r = cli("restore", tmp_path / "chain", "--out", tmp_path / "x.safetensors", "--base", tmp_path / "base.safetensors")
+    assert r.exit_code == 0, r.output
+    got = load_file(tmp_path / "x.safetensors")
+    assert torch.equal(got["fc2.weight"], ch.restore(snaps[2].step).state["model"]["fc2.weight"])

@@ -44,6 +44,24 @@ class BaseWeights:
         return cls(tensors, digest_of(tensors))
 
     @classmethod
+    def from_file(cls, path) -> "BaseWeights":
+        """A model state_dict saved as ``.safetensors`` or with ``torch.save`` (loaded without unpickling
+        code: ingest/safeload.py): ``ckptzip restore / verify --base FILE``."""
+        import pathlib
+
+        path = pathlib.Path(path)
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            try:
+                return cls.from_model(load_file(str(path)))
+            except (OSError, ValueError, RuntimeError) as e:  # safetensors' own errors subclass neither
+                raise ConfigError(f"--base {path}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+        from .ingest.safeload import torch_load
+
+        return cls.from_model(torch_load(path, mmap=False))
+
+    @classmethod
     def of(cls, base) -> "BaseWeights | None":
         """``base`` as given to Compressor / CheckpointChain: None, BaseWeights or a state_dict."""
         return base if base is None or isinstance(base, BaseWeights) else cls.from_model(base)
@@ -66,9 +84,10 @@ def digest_of(tensors: Mapping[str, torch.Tensor]) -> str:
 def require(base: BaseWeights | None, digest: str, step: int) -> BaseWeights:
     """The base a file coded against base ``digest`` needs, or a one-line error naming the fix."""
     if base is None:
-        raise BaseMismatchError(f"step {step} is coded against base weights {digest[:16]}; pass base= (the "
-                                "state_dict the run started from, e.g. the pretrained weights) to restore it")
+        raise BaseMismatchError(f"step {step} is coded against base weights {digest[:16]}; pass the state_dict the "
+                                "run started from (e.g. the pretrained weights) as base= (Compressor, "
+                                "CheckpointChain) or --base FILE (ckptzip restore, verify)")
     if base.digest != digest:
         raise BaseMismatchError(f"step {step} is coded against base weights {digest[:16]}, but the base given is "
-                                f"{base.digest[:16]}; pass the state_dict the run started from")
+                                f"{base.digest[:16]}; pass the state_dict the run started from (base= or --base FILE)")
     return base

@@ -476,9 +476,10 @@ def _bytes_by_role(flat: FlatState, enc: Encoded) -> dict:
     return out
 
 
-def open_chain(url, *, read_index: bool = True, storage_options: dict | None = None) -> CheckpointChain:
-    """An existing, committed chain to read, or a one-line error saying what ``url`` is instead."""
-    chain = CheckpointChain(url, storage_options=storage_options)
+def open_chain(url, *, read_index: bool = True, storage_options: dict | None = None, base=None) -> CheckpointChain:
+    """An existing, committed chain to read, or a one-line error saying what ``url`` is instead.
+    ``base``: the base weights its keyframes were coded against, if any (basestate.py)."""
+    chain = CheckpointChain(url, storage_options=storage_options, base=base)
     st = chain.storage
     if not st.fs.exists(st.root):
         raise FileNotFoundError(f"{url}: no such chain; check the path (create one with `ckptzip compress`)")
