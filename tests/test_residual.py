@@ -140,3 +140,24 @@ def test_search_after_a_restore_judges_and_estimates_the_residual(tmp_path, digi
         _state(snaps[-1]) | {"step": snaps[-1].step + 1}, snaps[-1].step + 1, model=model, optimizer=opt,
         ctx=EncodeContext(step=snaps[-1].step + 1, model=model, eval_fn=ev))
     assert again.summary["residual"] is True and again.summary["search"] in ("neighbourhood", "fallback")
+
+
+@pytest.mark.parametrize("keyframe_search", ["history", "fresh"])
+def test_a_keyframe_after_residual_saves_searches_afresh(tmp_path, digits_snapshots, keyframe_search):
+    """The weights' search history is the previous keyframe's once residuals came between: ``fresh``
+    searches the keyframe exhaustively, ``history`` in that old best's neighbourhood."""
+    model, opt, snaps, ev = digits_snapshots
+    cfg = {"residual": "restored", "search": {"keyframe_search": keyframe_search}}
+    kf = KeyframePolicy(every=3)
+
+    def save(ch, s):
+        model.load_state_dict(s.model)
+        return ch.save(_state(s), s.step, model=model, optimizer=opt,
+                       ctx=EncodeContext(step=s.step, model=model, eval_fn=ev, threshold=0.005))
+
+    save(CheckpointChain(tmp_path, "dynaquant", cfg, keyframe=kf), snaps[0])
+    ch = CheckpointChain(tmp_path, "dynaquant", cfg, keyframe=kf)  # a restarted writer: residuals follow
+    ch.restore()
+    got = [save(ch, s) for s in snaps[1:4]]
+    assert [e.keyframe for e in got] == [False, False, True] and got[0].summary["residual"] is True
+    assert (got[2].summary["search"] == "exhaustive") is (keyframe_search == "fresh")

@@ -203,6 +203,8 @@ class QuantizingMethod(Method):
         # compressible than the weights: the weights' monotone history would hold it back)
         st = dict(self.search_state or {})
         mine = st.pop("residual", None) if self._bases else {k: v for k, v in st.items() if k != "residual"} or None
+        if reference is None and self.restored and not self._bases and self.config.search.keyframe_search == "fresh":
+            mine = None  # the weights' history is the previous keyframe's: residual saves came between
         knobs, info, new = search_config(self, state, reference, ctx, mine)
         self.search_state = {**st, "residual": new} if self._bases else \
             {**new, **({"residual": st["residual"]} if "residual" in st else {})}
