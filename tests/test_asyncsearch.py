@@ -80,3 +80,45 @@ def test_async_saves_search_in_the_background(tmp_path):
         restored.load_state_dict(CheckpointChain(url).load(step)["model"])
         d = (w.eval_fn(restored) - e.summary["baseline"]) / e.summary["baseline"]
         assert d == pytest.approx(e.summary["degradation"], abs=1e-6)
+
+
+def test_the_agent_searches_with_its_own_model_and_eval_fn(tmp_path):
+    """EngineOptions.agent_eval: the agent builds (model, eval_fn) itself and runs the search the
+    synchronous path runs; the trainer's process has no search thread and needs no eval_fn."""
+    from ckptzip.engine import EngineOptions
+
+    w = digits_workload(total_steps=60, ckpt_every=20)
+    assert w.agent_eval == "ckptzip.demo.workloads:digits_eval"
+    url = tmp_path / "c"
+    m, opt, sched = w.build(0)
+    with ckptzip.Compressor(m, opt, url, "dynaquant", threshold=0.05, async_save=True,
+                            engine_options=EngineOptions(agent_eval=w.agent_eval)) as ck:
+        assert ck._searcher is None
+        for step in range(1, 61):
+            w.train_step(m, opt, sched, step)
+            if step % 20 == 0:
+                ck.save(step)
+        ck.wait()
+    entries = CheckpointChain(url).entries()
+    assert [e.summary["search"] for e in entries][0] == "exhaustive"
+    assert all(e.summary["evals"] >= 1 and e.summary["search_s"] > 0 for e in entries)
+    for e in entries:  # judged by the agent's eval_fn against the step's own weights
+        restored, _, _ = w.build(0)
+        restored.load_state_dict(CheckpointChain(url).load(e.step)["model"])
+        d = (w.eval_fn(restored) - e.summary["baseline"]) / e.summary["baseline"]
+        assert d == pytest.approx(e.summary["degradation"], abs=1e-6) and (d <= 0.05 or e.summary["infeasible"])
+
+
+def test_a_bad_agent_eval_is_a_one_line_error(tmp_path):
+    from ckptzip.engine import EngineOptions
+    from ckptzip.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="agent_eval must be 'module:function'"):
+        EngineOptions(agent_eval="no_colon")
+    w = digits_workload(total_steps=20, ckpt_every=20, hidden=32)
+    m, opt, sched = w.build(0)
+    with pytest.raises(Exception, match="EngineOptions.agent_eval 'no_such_module_xyz:make'|no_such_module_xyz"):
+        with ckptzip.Compressor(m, opt, tmp_path / "c", "dynaquant", threshold=0.05, async_save=True,
+                                engine_options=EngineOptions(agent_eval="no_such_module_xyz:make")) as ck:
+            ck.save(1).wait()
+    assert CheckpointChain(tmp_path / "c").steps() == []  # nothing half-written

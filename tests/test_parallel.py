@@ -31,3 +31,28 @@ def test_first_error_in_item_order_and_nested_calls_run_inline():
     # a worker calling thread_map again runs it inline instead of waiting on its own pool
     assert thread_map(lambda x: sum(thread_map(lambda y: y, range(x), threads=4)), range(6), threads=2) == \
         [sum(range(x)) for x in range(6)]
+
+
+def test_workers_run_kernels_on_their_own_thread_and_leave_the_trainers_count():
+    import sys
+
+    import torch
+
+    from ckptzip.parallel import _openmp_team_setter
+
+    if sys.platform != "linux":
+        pytest.skip("the OpenMP runtime is looked up in /proc/self/maps")
+    assert _openmp_team_setter() is not None, "torch's OpenMP runtime was not found: pool workers would open teams"
+    before = torch.get_num_threads()
+    if before < 2:
+        torch.set_num_threads(2)
+    try:
+        counts = thread_map(lambda _: torch.get_num_threads(), range(8), threads=2)
+        assert counts == [1] * 8
+        # the trainer's count and the count a thread started later inherits are unchanged
+        later = []
+        t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        t.start(), t.join()
+        assert torch.get_num_threads() == max(before, 2) and later == [max(before, 2)]
+    finally:
+        torch.set_num_threads(before)

@@ -88,10 +88,16 @@ class Compressor:
     EMA only in the ``grad_window`` backward passes before a save (the save interval is learned
     from the first saves, or given as ``save_every``); outside that window they cost nothing.
 
-    ``async_save=True`` with ``eval_fn`` keeps the config search: ``save`` copies the state and
-    returns; a background thread searches on a scratch copy of the model and the agent encodes with
-    the chosen knobs (asyncsearch.py says what ``eval_fn`` must then respect: no global RNG, only
-    the model it is given).
+    ``async_save=True`` keeps the config search; ``save`` copies the state and returns. Where the
+    search runs:
+
+    - ``engine_options=EngineOptions(agent_eval="mypkg.evals:make")``: in the agent process, which
+      builds (model, eval_fn) from that function once (as ``ckptzip compress --eval`` does) and
+      searches against its own reference: nothing of the search runs in the trainer's process.
+      ``eval_fn`` here may be None.
+    - else, with ``eval_fn``: on a background thread of the trainer, on a scratch copy of the model;
+      the agent encodes with the chosen knobs (asyncsearch.py says what ``eval_fn`` must then
+      respect: no global RNG, only the model it is given). Its Python shares the trainer's GIL.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, url,
@@ -131,7 +137,7 @@ class Compressor:
                                                  keyframe=keyframe, retention=retention,
                                                  storage_options=storage_options, takeover=takeover)
             warn_if_oversubscribed(model, self._engine.options)
-            if eval_fn is not None and _searches(self.chain.method):
+            if eval_fn is not None and _searches(self.chain.method) and not self._engine.options.agent_eval:
                 from .asyncsearch import SearchingSaver
 
                 # the search runs on a background thread here; the agent encodes with its knobs

@@ -1,5 +1,8 @@
 """The config search of asynchronous saves, on a background thread of the trainer.
 
+(Where the user can name a factory of the model and eval_fn, ``EngineOptions.agent_eval``, the
+agent searches instead and none of this runs: no GIL shared with the training loop.)
+
 An async save (``Compressor(async_save=True)``) returns once the state is copied; the agent process
 (engine/) encodes the copy. The agent cannot run ``eval_fn`` (a closure over the live model does not
 cross processes), so for a method that searches its config the trainer runs the search itself, off
@@ -38,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .methods.base import EncodeContext
+from .parallel import serial_kernels
 from .search.quality import scratch_copy
 from .state import FlatState, flatten_state
 
@@ -133,6 +137,7 @@ class SearchingSaver:
             raise self._errors[0]
 
     def _run(self) -> None:
+        serial_kernels()  # the trainer's OpenMP team keeps its cores (parallel.py says why)
         while True:
             job = self._jobs.get()
             try:

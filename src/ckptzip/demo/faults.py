@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 
 from ..api import Compressor
+from ..engine.options import EngineOptions
 from .workloads import Workload
 
 
@@ -38,6 +39,7 @@ class RunResult:
     train_s: float = 0.0
     ckpt_s: float = 0.0
     restore_s: float = 0.0
+    drain_s: float = 0.0             # waiting for queued async saves: in close() at each failure, and at the end
 
     @property
     def ratio(self) -> float:
@@ -50,6 +52,12 @@ class RunResult:
     @property
     def overhead(self) -> float:
         return self.ckpt_s / self.train_s if self.train_s else math.nan
+
+    @property
+    def drain(self) -> float:
+        """Waiting for queued saves over the training time: what an async agent that falls behind costs
+        (in a run without failures it would block ``save`` instead, through backpressure)."""
+        return self.drain_s / self.train_s if self.train_s else math.nan
 
     def slowdown(self, reference: "RunResult") -> float:
         """Training time per executed step, save blocking included, over the reference's, minus 1: what
@@ -67,7 +75,7 @@ class RunResult:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(ratio=self.ratio, weights_ratio=self.weights_ratio, overhead=self.overhead)
+        d.update(ratio=self.ratio, weights_ratio=self.weights_ratio, overhead=self.overhead, drain=self.drain)
         return d
 
 
@@ -85,8 +93,11 @@ def failure_steps(wl: Workload, n: int) -> list[int]:
 
 
 def run(wl: Workload, method: str | None, *, failures: int = 10, threshold: float = 0.01, url: str | None = None,
-        progress=None, method_config=None, seed: int = 0, async_save: bool = False, base: bool = True) -> RunResult:
+        progress=None, method_config=None, seed: int = 0, async_save: bool = False,
+        search_in_agent: bool = True, base: bool = True) -> RunResult:
     """Train ``wl`` once. method=None: the uncompressed reference (no checkpoints, no failures).
+    ``async_save``: through the agent; a searching method searches in the agent when the workload
+    names an ``agent_eval`` and ``search_in_agent``, else on a thread of this process.
     ``base``: give the chain the workload's base weights (``Workload.base``; synchronous saves only)."""
     own_dir = url is None and method is not None
     if own_dir:
@@ -101,9 +112,11 @@ def run(wl: Workload, method: str | None, *, failures: int = 10, threshold: floa
         if method is None:
             return None
         th = wl.threshold if wl.threshold is not None else threshold
+        # async: the agent builds the workload's model and eval_fn and searches itself, where it can
+        options = EngineOptions(agent_eval=wl.agent_eval) if async_save and search_in_agent else None
         return Compressor(m, o, url, method, config=method_config, threshold=th, restores=failures,
                           eval_fn=wl.eval_fn, scheduler=s, save_every=wl.ckpt_every, async_save=async_save,
-                          base=base_sd)
+                          engine_options=options, base=base_sd)
 
     ck = compressor(model, opt, sched)
     fail_at = set(failure_steps(wl, failures)) if method is not None else set()
@@ -127,6 +140,8 @@ def run(wl: Workload, method: str | None, *, failures: int = 10, threshold: floa
                 res.failures.append(step)
                 t0 = time.perf_counter()
                 ck.close()
+                res.drain_s += time.perf_counter() - t0
+                t0 = time.perf_counter()
                 del model, opt, sched, ck
                 model, opt, sched = wl.build(seed + 1000 + len(res.failures))  # wrong weights on purpose
                 ck = compressor(model, opt, sched)
@@ -134,7 +149,9 @@ def run(wl: Workload, method: str | None, *, failures: int = 10, threshold: floa
                 res.restores.append(step)
                 res.restore_s += time.perf_counter() - t0
         if ck is not None:
+            t0 = time.perf_counter()
             ck.wait()
+            res.drain_s += time.perf_counter() - t0
         model.eval()
         res.final_metric = float(wl.metric(model))
         if ck is not None:

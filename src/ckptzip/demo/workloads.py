@@ -122,6 +122,7 @@ class Workload:
     threshold: float | None = None  # this workload's own quality budget for eval_fn (None: the caller's)
     base: object = None      # () -> the state_dict the run starts from (fine-tuning: the pretrained
                              # weights), for keyframes coded against it (basestate.py); None: no base
+    agent_eval: str | None = None   # a factory of (model, eval_fn) the async agent can import and search with
 
     def train_step(self, model, opt, sched, step: int) -> float:
         """One optimizer step on the batch of ``step``; returns the loss."""
@@ -134,7 +135,10 @@ class Workload:
         return float(loss.detach())
 
 
-def digits_workload(total_steps: int = 600, ckpt_every: int = 30, hidden: int = 256) -> Workload:
+DIGITS_HIDDEN = 256
+
+
+def digits_workload(total_steps: int = 600, ckpt_every: int = 30, hidden: int = DIGITS_HIDDEN) -> Workload:
     xtr, ytr, xrest, yrest = digits_data(0)
     xva, yva, xte, yte = xrest[:200], yrest[:200], xrest[200:], yrest[200:]
 
@@ -160,7 +164,16 @@ def digits_workload(total_steps: int = 600, ckpt_every: int = 30, hidden: int = 
         return float((m(xte).argmax(-1) == yte).float().mean())
 
     return Workload("digits-mlp", build, batch, loss, eval_fn, metric, "test accuracy", True, total_steps, ckpt_every,
-                    "MLP 64-256-256-10 with LayerNorm, Adam 1e-3, scikit-learn digits (1400 train / 200 val / 197 test)")
+                    f"MLP 64-{hidden}-{hidden}-10 with LayerNorm, Adam 1e-3, scikit-learn digits "
+                    "(1400 train / 200 val / 197 test)",
+                    agent_eval="ckptzip.demo.workloads:digits_eval" if hidden == DIGITS_HIDDEN else None)
+
+
+
+def digits_eval() -> tuple[nn.Module, object]:
+    """(model, eval_fn) of the default digits workload, built from scratch: its ``agent_eval``."""
+    w = digits_workload()
+    return w.build(0)[0], w.eval_fn
 
 
 def gpt2_workload(total_steps: int = 240, ckpt_every: int = 12, n_embd: int = 128, n_layer: int = 4,
@@ -201,10 +214,18 @@ def gpt2_workload(total_steps: int = 240, ckpt_every: int = 12, n_embd: int = 12
         m.train(was)
         return out
 
+    default_model = (n_embd, n_layer, seq) == (128, 4, 64)
     return Workload("gpt2-stdlib", build, batch, loss, eval_fn, eval_fn, "val loss (nats/byte)", False,
                     total_steps, ckpt_every,
                     f"GPT-2 from config (vocab 256, d={n_embd}, {n_layer} layers), AdamW 1e-3 + warmup, "
-                    f"byte-level LM on Python stdlib source, batch {bsz}x{seq}")
+                    f"byte-level LM on Python stdlib source, batch {bsz}x{seq}",
+                    agent_eval="ckptzip.demo.workloads:gpt2_eval" if default_model else None)
+
+
+def gpt2_eval() -> tuple[nn.Module, object]:
+    """(model, eval_fn) of the default GPT-2 workload, built from scratch: its ``agent_eval``."""
+    w = gpt2_workload()
+    return w.build(0)[0], w.eval_fn
 
 
 # MiniLM fine-tuning task: which stdlib package a docstring comes from. Real, held-out text; the

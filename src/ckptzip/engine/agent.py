@@ -19,7 +19,8 @@ Call order in one life:
     2. per "commit": check the slot still holds that seq and is complete, verify its checksum (or
        compute it, when the trainer left that to the agent), build
        a FlatState whose tensors *view* the slot, ``chain.save`` it with an EncodeContext rebuilt
-       from the slot (no model, no eval_fn: they cannot cross a process boundary), mark the slot
+       from the slot (model and eval_fn cannot cross a process boundary: with ``agent_eval`` the
+       agent builds its own once, and a searching method searches here), mark the slot
        COMMITTED, report the entry; on any error mark it FAILED and report the traceback. A step
        already in the chain is reported committed again (a restarted agent may be asked twice).
     3. trainer gone (stdin EOF or parent pid changed) -> orphan mode: finish the commands already
@@ -64,6 +65,7 @@ class _Agent:
                                      retention=RetentionPolicy(**spec["retention"]) if spec.get("retention") else None,
                                      storage_options=spec.get("storage_options"),
                                      takeover=bool(spec.get("takeover")))
+        self.evaluator = None  # (model, eval_fn) from options.agent_eval, built at the first save
         self.segments: dict[int, object] = {}
         self.trainer_gone = False
         self.inbox: queue.Queue = queue.Queue()
@@ -229,6 +231,12 @@ class _Agent:
                 if isinstance(v, dict) and "__aux__" in v:  # a dict of tensors staged beside the state
                     v = {p: aux[n] for p, n in v["__aux__"].items()}
                 kwargs[k] = v
+            if self.opts.get("agent_eval"):
+                if self.evaluator is None:
+                    from ..ingest.compress import load_eval
+
+                    self.evaluator = load_eval(self.opts["agent_eval"], "EngineOptions.agent_eval")
+                kwargs["model"], kwargs["eval_fn"] = self.evaluator
             entry = self.chain.save(flat, step, ctx=EncodeContext(step=step, **kwargs))
         finally:
             del flat, aux

@@ -278,11 +278,13 @@ class AsyncCheckpointEngine:
                 continue
             if f.name == "eval_fn":
                 cfg = getattr(self.chain.method, "config", None)
-                if v is not None and getattr(cfg, "search", False) and "eval_fn" not in self._warned:
+                searches_here = getattr(cfg, "search", False) and not self.options.agent_eval
+                if v is not None and searches_here and "eval_fn" not in self._warned:
                     self._warned.add("eval_fn")
                     warnings.warn("async saves cannot run eval_fn (the agent has no live model): "
-                                  f"{self.chain.method.name} uses its fixed config; use async_save=False "
-                                  "for the per-checkpoint config search", stacklevel=4)
+                                  f"{self.chain.method.name} uses its fixed config; give the agent its own "
+                                  "(EngineOptions.agent_eval) or save through Compressor(async_save=True, "
+                                  "eval_fn=...), which searches on a thread", stacklevel=4)
                 continue
             if v is None or isinstance(v, bool | int | float | str) or f.name == "search":
                 out[f.name] = v  # ``search``: JSON (knobs chosen by the trainer's search thread)

@@ -31,11 +31,18 @@ class EngineOptions:
                                            # blocking path) or "trainer" (inside save, ~1/3 more blocking)
     pin_cuda: bool = True                  # page-lock slots for direct device-to-host copies
     rank: int | None = None                # None: the torch.distributed rank if initialized, else 0
+    # "module:function" (or "path/file.py:function") returning (model, eval_fn), as `ckptzip compress
+    # --eval` takes: the agent builds them once and runs a searching method's config search itself,
+    # so the trainer's process does none of it (no thread beside the training loop, no scratch model)
+    agent_eval: str | None = None
 
     def __post_init__(self):
         if isinstance(self.agent_imports, str):
             raise ConfigError(f"EngineOptions.agent_imports must be a tuple of module names, e.g. ('mypkg.methods',), "
                               f"got {self.agent_imports!r}")
+        if self.agent_eval is not None and (not isinstance(self.agent_eval, str) or ":" not in self.agent_eval):
+            raise ConfigError(f"EngineOptions.agent_eval must be 'module:function' returning (model, eval_fn), "
+                              f"e.g. 'mypkg.evals:make', got {self.agent_eval!r}")
         seconds = Range(ge=0)
         check_fields(self, redundancy=Range(ge=1), memory_budget_bytes=Range(gt=0), agent_start_timeout_s=seconds,
                      takeover_timeout_s=seconds, orphan_linger_s=seconds, max_agent_restarts=Range(ge=0),

@@ -104,7 +104,7 @@ def check_target(url: str) -> list[Entry]:
     return chain.entries(refresh=True) if st.exists(INDEX) else []
 
 
-def load_eval(spec: str) -> tuple[torch.nn.Module, Callable]:
+def load_eval(spec: str, what: str = "--eval") -> tuple[torch.nn.Module, Callable]:
     """(model, eval_fn) from ``module:function``, ``path/to/file.py:function`` or ``pretrained[-KIND]:FOLDER``."""
     kind, sep, folder = spec.partition(":")
     if sep and (kind == "pretrained" or kind.startswith("pretrained-")):
@@ -113,12 +113,12 @@ def load_eval(spec: str) -> tuple[torch.nn.Module, Callable]:
         return pretrained.from_pretrained(folder, kind.removeprefix("pretrained").lstrip("-") or pretrained.DEFAULT_CHECK)
     mod_name, sep, fn_name = spec.rpartition(":")
     if not sep or not mod_name or not fn_name:
-        raise ConfigError(f"--eval {spec!r} must be module:function or path/to/file.py:function")
+        raise ConfigError(f"{what} {spec!r} must be module:function or path/to/file.py:function")
     try:
         if mod_name.endswith(".py") or os.sep in mod_name or "/" in mod_name:
             path = pathlib.Path(mod_name)
             if not path.is_file():
-                raise FileNotFoundError(f"--eval {spec}: no such file {path}; check the path")
+                raise FileNotFoundError(f"{what} {spec}: no such file {path}; check the path")
             ispec = importlib.util.spec_from_file_location(path.stem, path)
             mod = importlib.util.module_from_spec(ispec)
             ispec.loader.exec_module(mod)
@@ -133,14 +133,14 @@ def load_eval(spec: str) -> tuple[torch.nn.Module, Callable]:
                 if added:
                     sys.path.remove(os.getcwd())
     except ImportError as e:
-        raise ConfigError(f"--eval {spec}: cannot import {mod_name} ({e}); put it on PYTHONPATH") from None
+        raise ConfigError(f"{what} {spec}: cannot import {mod_name} ({e}); put it on PYTHONPATH") from None
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
-        raise ConfigError(f"--eval {spec}: {mod_name} has no function {fn_name}; name a function that returns "
+        raise ConfigError(f"{what} {spec}: {mod_name} has no function {fn_name}; name a function that returns "
                           "(model, eval_fn)")
     res = fn()
     if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[0], torch.nn.Module) and callable(res[1])):
-        raise ConfigError(f"--eval {spec}: {fn_name}() must return (model, eval_fn), got {type(res).__name__}")
+        raise ConfigError(f"{what} {spec}: {fn_name}() must return (model, eval_fn), got {type(res).__name__}")
     return res
 
 
