@@ -23,16 +23,17 @@ from ckptzip.format import decode_container
 DOC = Path(__file__).resolve().parents[1] / "docs" / "FORMAT.md"
 
 _EXACT = ["exact/1, bytegroup/1", "exact/1, raw/1"]
-_EXACT_Q = _EXACT + ["exact/1, group/1, bytegroup/1"]  # the quantizing methods group small exact records
+_EXACT_Q = _EXACT + ["exact/1, group/1, bytegroup/1"]  # the quantizing methods group small exact records (M.1)
+_EXACT_DELTAS = _EXACT_Q + ["exact/1, same/1"]  # the quantizing template's delta files (M.1)
 _EXCP_CODES = ["excp-codes/2, {ans|huffman}/1", "excp-codes/2, bitpack/1, {xz|zstd-frame}/1"]
 _GRID = ["moment-grid/1, cyclic-delta/1?, ans/1", "moment-direction/1, ans/1?"]  # M.10
 _GRID_KEYFRAMES = ["moment-grid/1, ans/1", "moment-direction/1, ans/1?"]
 DOCUMENTED: dict[str, list[str]] = {
     "lossless": ["lossless/1, bytegroup/1", "lossless/1, xor/1, bytegroup/1", "lossless/1, xor/1?, group/1, bytegroup/1"],
-    "dynaquant": _EXACT_Q + ["dynaquant/1, rle/1?, {huffman|ans|zstd-ints}/1",
-                           "dynaquant/1, cyclic-delta/1, rearrange/1?, rle/1?, {huffman|ans|zstd-ints}/1",
-                           "dynaquant/1, residual/1, rle/1?, {huffman|ans|zstd-ints}/1"] + _GRID,
-    "qd": _EXACT_Q + ["qd/1, huffman/1", "qd/1, cyclic-delta/1, huffman/1", "qd/1, residual/1, huffman/1"] + _GRID,
+    "dynaquant": _EXACT_DELTAS + ["dynaquant/1, rle/1?, {huffman|ans|zstd-ints}/1",
+                                  "dynaquant/1, cyclic-delta/1, rearrange/1?, rle/1?, {huffman|ans|zstd-ints}/1",
+                                  "dynaquant/1, residual/1, rle/1?, {huffman|ans|zstd-ints}/1"] + _GRID,
+    "qd": _EXACT_DELTAS + ["qd/1, huffman/1", "qd/1, cyclic-delta/1, huffman/1", "qd/1, residual/1, huffman/1"] + _GRID,
     "cnr": _EXACT_Q + ["cnr/1, huffman/1"] + _GRID_KEYFRAMES,
     "gobo": _EXACT_Q + ["gobo/1, huffman/1"] + _GRID_KEYFRAMES,
     "bitsnap": _EXACT + ["bitsnap/1, bitmask/1", "bitsnap/1, bitmask/1, bytegroup/1",
@@ -48,7 +49,8 @@ DOCUMENTED: dict[str, list[str]] = {
 # the same table for the files ckptzip 0.1 wrote (FORMAT.md "Pipelines of files written by ckptzip 0.1")
 _V1_CODERS = "{ans|huffman|xz|zstd}/1"
 DOCUMENTED_V01: dict[str, list[str]] = {
-    **{m: [p for p in DOCUMENTED[m] if not p.startswith("moment-") and "residual/1" not in p and ", group/1" not in p]
+    **{m: [p for p in DOCUMENTED[m] if not p.startswith("moment-") and "residual/1" not in p and "same/1" not in p
+           and ", group/1" not in p]
        for m in ("qd", "cnr", "gobo")},
     "lossless": ["lossless/1, bytegroup/1", "lossless/1, xor/1, bytegroup/1"],
     "dynaquant": _EXACT + ["dynaquant/1, rle/1?, {huffman|ans|zstd}/1",
@@ -65,7 +67,8 @@ DOCUMENTED_V01: dict[str, list[str]] = {
 }
 GOLDEN_V01 = Path(__file__).resolve().parent / "data" / "golden_methods_v1"
 # descriptors that need a parent: never in a keyframe file (the sentence above the table)
-DELTA_ONLY = ["xor/1", "cyclic-delta/1", "rearrange/1", "residual/1", "bitmask/1", "excp-residual/1", "excp-base/1"]
+DELTA_ONLY = ["xor/1", "cyclic-delta/1", "rearrange/1", "residual/1", "bitmask/1", "excp-residual/1", "excp-base/1",
+              "same/1"]
 SHARED_BLOBS = {"excp": {"payload"}, "excp-fixed": {"payload", "codes"},  # FORMAT.md 1.2
                 # section 6 and M.1: the digits state's small float32 records
                 **{m: {"group.4f"} for m in ("lossless", "dynaquant", "qd", "cnr", "gobo")}}

@@ -94,8 +94,31 @@ def test_residual_without_its_parents_reconstruction_is_corrupt(tmp_path, digits
         ch.save(_state(s), s.step, model=model, optimizer=opt)
     real = quantizing.QuantizingMethod._reference
     monkeypatch.setattr(quantizing.QuantizingMethod, "_reference",
-                        lambda self, step, cw, cm, recon: real(self, step, cw, cm, {}))
-    with pytest.raises(CorruptCheckpointError, match="is a residual but its parent checkpoint has no reconstruction"):
+                        lambda self, step, cw, cm, recon, exact: real(self, step, cw, cm, {}, exact))
+    with pytest.raises(CorruptCheckpointError, match=r"is a residual but its parent checkpoint \(or base\) has no"):
+        CheckpointChain(tmp_path).restore(snaps[1].step)
+
+
+def test_repeated_exact_records_are_stored_as_the_parents(tmp_path, digits_snapshots, monkeypatch):
+    """An exact record equal to the parent's bit for bit (an RNG state training does not draw from) is
+    ``same/1``, no blob; one that changed is stored; a ``same/1`` without its parent's record is corrupt."""
+    model, opt, snaps, _ = digits_snapshots
+    rng = torch.arange(1000, dtype=torch.uint8)
+    ch = CheckpointChain(tmp_path, "dynaquant")
+    for i, s in enumerate(snaps[:3]):
+        st = {**_state(s), "rng": rng if i < 2 else rng.flip(0)}
+        ch.save(st, s.step, model=model, optimizer=opt)
+    recs = [ch.manifest(s.step)["records"] for s in snaps[:3]]
+    assert recs[0]["rng"]["pipeline"][1] != "same/1"                                # keyframe
+    assert recs[1]["rng"]["pipeline"] == ["exact/1", "same/1"] and not recs[1]["rng"]["blobs"]
+    assert recs[2]["rng"]["pipeline"][1] != "same/1"                                # changed
+    assert recs[1]["model/fc1.bias"]["pipeline"][1] != "same/1"                     # trained
+    got = [CheckpointChain(tmp_path).load(s.step)["rng"] for s in snaps[:3]]
+    assert torch.equal(got[1], rng) and torch.equal(got[2], rng.flip(0))
+    real = quantizing.QuantizingMethod._reference
+    monkeypatch.setattr(quantizing.QuantizingMethod, "_reference",
+                        lambda self, step, cw, cm, recon, exact: real(self, step, cw, cm, recon, {}))
+    with pytest.raises(CorruptCheckpointError, match="'rng' is stored as its parent's, but the parent checkpoint"):
         CheckpointChain(tmp_path).restore(snaps[1].step)
 
 
@@ -117,3 +140,24 @@ def test_search_after_a_restore_judges_and_estimates_the_residual(tmp_path, digi
         _state(snaps[-1]) | {"step": snaps[-1].step + 1}, snaps[-1].step + 1, model=model, optimizer=opt,
         ctx=EncodeContext(step=snaps[-1].step + 1, model=model, eval_fn=ev))
     assert again.summary["residual"] is True and again.summary["search"] in ("neighbourhood", "fallback")
+
+
+@pytest.mark.parametrize("keyframe_search", ["history", "fresh"])
+def test_a_keyframe_after_residual_saves_searches_afresh(tmp_path, digits_snapshots, keyframe_search):
+    """The weights' search history is the previous keyframe's once residuals came between: ``fresh``
+    searches the keyframe exhaustively, ``history`` in that old best's neighbourhood."""
+    model, opt, snaps, ev = digits_snapshots
+    cfg = {"residual": "restored", "search": {"keyframe_search": keyframe_search}}
+    kf = KeyframePolicy(every=3)
+
+    def save(ch, s):
+        model.load_state_dict(s.model)
+        return ch.save(_state(s), s.step, model=model, optimizer=opt,
+                       ctx=EncodeContext(step=s.step, model=model, eval_fn=ev, threshold=0.005))
+
+    save(CheckpointChain(tmp_path, "dynaquant", cfg, keyframe=kf), snaps[0])
+    ch = CheckpointChain(tmp_path, "dynaquant", cfg, keyframe=kf)  # a restarted writer: residuals follow
+    ch.restore()
+    got = [save(ch, s) for s in snaps[1:4]]
+    assert [e.keyframe for e in got] == [False, False, True] and got[0].summary["residual"] is True
+    assert (got[2].summary["search"] == "exhaustive") is (keyframe_search == "fresh")

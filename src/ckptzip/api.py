@@ -19,6 +19,7 @@ import torch
 
 from .chain import CheckpointChain, Entry, KeyframePolicy, RetentionPolicy
 from .configcheck import Range, check_arg, check_args
+from .errors import ConfigError
 from .fitcheck import check_fits
 from .methods.base import EncodeContext
 
@@ -33,7 +34,11 @@ ARGS = {"threshold": (float, Range(ge=0, lt=1, note=" (a relative degradation)")
 
 
 def rng_state() -> dict:
-    out = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    version, words, gauss = random.getstate()
+    # Python's Mersenne Twister words as an array: a tensor record (``same/1`` while unused), not
+    # 625 integers in every file's JSON skeleton
+    out = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+           "python": (version, np.asarray(words, dtype=np.uint32), gauss)}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state_all()
     return out
@@ -42,14 +47,10 @@ def rng_state() -> dict:
 def set_rng_state(st: dict) -> None:
     torch.set_rng_state(st["torch"])
     np.random.set_state(st["numpy"])
-    random.setstate(_tuples(st["python"]))
+    version, words, gauss = st["python"]
+    random.setstate((version, tuple(int(w) for w in words), gauss))  # words: an array, or a list in older files
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(st["cuda"])
-
-
-def _tuples(x):
-    # random.setstate wants tuples all the way down
-    return tuple(_tuples(v) for v in x) if isinstance(x, list | tuple) else x
 
 
 # Share of a restore's degradation still present one restore interval later. Measured on the GPT-2
@@ -76,6 +77,9 @@ class Compressor:
     the same run without failures. Each checkpoint's config search is judged against the smaller
     ``checkpoint_budget(threshold, restores)`` (about threshold / 2 for 4 or more restores);
     ``restores=1`` judges each checkpoint against the whole threshold, as ckptzip 0.1 did.
+    ``base``: the model state_dict the run started from (a fine-tuning run's pretrained weights) or
+    a ``basestate.BaseWeights``; a quantizing method then codes keyframes as residuals against it,
+    and a restore needs the same base (``BaseMismatchError`` names the fix).
     Methods without a config search accept and ignore ``threshold`` and ``eval_fn``. ``eval_fn``
     returns a float score (relative ``threshold`` on it), or the model's outputs on a fixed batch
     as a tensor: then ``threshold`` bounds their relative error (search/quality.py), the signal to
@@ -103,7 +107,8 @@ class Compressor:
                  scheduler=None, extra_state: Callable[[], dict] | None = None,
                  keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
                  storage_options: dict | None = None, save_every: int | None = None, grad_window: int = 50,
-                 async_save: bool = False, engine_options=None, takeover: bool = False, restores: int = 10):
+                 async_save: bool = False, engine_options=None, takeover: bool = False, restores: int = 10,
+                 base=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         check_args("Compressor", ARGS, threshold=threshold, eval_fn=eval_fn, higher_is_better=higher_is_better,
@@ -114,8 +119,11 @@ class Compressor:
         self.eval_fn, self.threshold, self.higher_is_better = eval_fn, threshold, higher_is_better
         self.budget = checkpoint_budget(threshold, restores)
         self.extra_state = extra_state
+        if base is not None and async_save:
+            raise ConfigError("base= is not supported with async_save=True yet; save synchronously to code "
+                              "keyframes against base weights")
         self.chain = CheckpointChain(url, method, config, keyframe=keyframe, retention=retention,
-                                     storage_options=storage_options, takeover=takeover)
+                                     storage_options=storage_options, takeover=takeover, base=base)
         self._recorder = None
         if _wants_gradients(self.chain.method):
             self._recorder = SaveWindowRecorder(model, window=grad_window, save_every=save_every)

@@ -78,7 +78,8 @@ class CheckpointChain:
     def __init__(self, url, method: str | Method = "lossless", config=None, *,
                  keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
                  storage_options: dict | None = None, takeover: bool = False, lease_s: float = 600.0,
-                 retry: RetryPolicy | None = None):
+                 retry: RetryPolicy | None = None, base=None):
+        from .basestate import BaseWeights
         from .storage import Storage
 
         check_args("CheckpointChain", CHAIN_ARGS, keyframe=keyframe, retention=retention,
@@ -88,6 +89,7 @@ class CheckpointChain:
         self.method = method if isinstance(method, Method) else get_method(method, config)
         self.keyframe = keyframe or KeyframePolicy()
         self.retention = retention or RetentionPolicy()
+        self.base = BaseWeights.of(base)  # keyframes coded against it, and restores need it (basestate.py)
         self._lease = Lease(self.url, takeover=takeover, lease_s=lease_s)
         self._index: Index | None = None
         self._ref: Reference | None = None          # what the next save encodes against
@@ -165,8 +167,8 @@ class CheckpointChain:
                 raise StepOrderError(f"step {step} is not after the chain's latest step {entries[-1].step}; "
                                  "save increasing steps (or start a new chain, or truncate this one)")
             ctx = ctx or EncodeContext(step=step, model=model)
-            if ctx.step != step:
-                ctx = dataclasses.replace(ctx, step=step)
+            if ctx.step != step or ctx.base is not self.base:
+                ctx = dataclasses.replace(ctx, step=step, base=self.base)
             if base.version != self._ref_version:
                 self.forget_reference()  # another writer (or chain object) committed since: rebuild it
             fname = None
@@ -327,7 +329,7 @@ class CheckpointChain:
                 methods[key] = method_for_file(m["method"], m.get("config"))
             for n, r in enc.records.items():  # every stage known before the method reads a byte
                 check_pipeline(r["pipeline"], record=n, method=m["method"].partition("/")[0])
-            tensors, ref = methods[key].decode(records, enc, ref, ctx=DecodeContext(step=s, device=device))
+            tensors, ref = methods[key].decode(records, enc, ref, ctx=DecodeContext(step=s, device=device, base=self.base))
             if set(skeleton_refs(m["skeleton"])) - set(tensors):
                 raise CorruptCheckpointError(f"{self.storage.path(e.file)}: skeleton names tensors the file lacks")
             result = (FlatState(tensors, records, m["skeleton"], m.get("extra", {})), m)
@@ -474,9 +476,10 @@ def _bytes_by_role(flat: FlatState, enc: Encoded) -> dict:
     return out
 
 
-def open_chain(url, *, read_index: bool = True, storage_options: dict | None = None) -> CheckpointChain:
-    """An existing, committed chain to read, or a one-line error saying what ``url`` is instead."""
-    chain = CheckpointChain(url, storage_options=storage_options)
+def open_chain(url, *, read_index: bool = True, storage_options: dict | None = None, base=None) -> CheckpointChain:
+    """An existing, committed chain to read, or a one-line error saying what ``url`` is instead.
+    ``base``: the base weights its keyframes were coded against, if any (basestate.py)."""
+    chain = CheckpointChain(url, storage_options=storage_options, base=base)
     st = chain.storage
     if not st.fs.exists(st.root):
         raise FileNotFoundError(f"{url}: no such chain; check the path (create one with `ckptzip compress`)")

@@ -76,10 +76,15 @@ def _progress():
                     TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal)
 
 
-def _open_chain(url: str, *, read_index: bool = True) -> "CheckpointChain":
+def _open_chain(url: str, *, read_index: bool = True, base: pathlib.Path | None = None) -> "CheckpointChain":
+    from .basestate import BaseWeights
     from .chain import open_chain  # imported here: --help stays fast
 
-    return open_chain(url, read_index=read_index)
+    return open_chain(url, read_index=read_index, base=None if base is None else BaseWeights.from_file(base))
+
+
+BASE_OPTION = typer.Option("--base", help="the model weights (.safetensors or .pt state_dict) the run started "
+                           "from, for a chain whose keyframes were coded against them", show_default=False)
 
 
 def _dcp_root(url: str) -> bool:
@@ -208,6 +213,7 @@ def inspect(
 @app.command()
 def verify(
     chain_url: Annotated[str, typer.Argument(metavar="CHAIN", help="chain folder or URL", show_default=False)],
+    base: Annotated[Optional[pathlib.Path], BASE_OPTION] = None,
 ) -> None:
     """Check every file's checksums and decode every step; exit 1 on any problem."""
     from .chain import INDEX
@@ -215,7 +221,7 @@ def verify(
     with _bad_input():
         if _dcp_root(chain_url):
             return _verify_dcp(chain_url)
-        chain = _open_chain(chain_url, read_index=False)
+        chain = _open_chain(chain_url, read_index=False, base=base)
     with _bad_input(), _progress() as prog:
         task = prog.add_task("checking files", total=None)
 
@@ -263,6 +269,7 @@ def restore(
              "a folder: the Trainer checkpoint folder it came from")],
     step: Annotated[Optional[int], typer.Option(help="step to restore (default: the latest)")] = None,
     force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
+    base: Annotated[Optional[pathlib.Path], BASE_OPTION] = None,
 ) -> None:
     """Rebuild one checkpoint from the chain and write it as a .pt, .safetensors or folder (a DCP
     root: its whole state consolidated, as dcp_to_torch_save does, into a .pt or .safetensors)."""
@@ -277,7 +284,7 @@ def restore(
                 prog.add_task("decoding every rank file", total=None)
                 got = restore_file(chain_url, str(out), step)
             return typer.echo(f"restored step {got['step']} -> {out} ({got['tensors']} tensors, {got['format']})")
-        chain = _open_chain(chain_url)
+        chain = _open_chain(chain_url, base=base)
         e = chain.entry(step)
         check_output(out, force=force)
         with _progress() as prog:

@@ -54,6 +54,10 @@ class ConfigError(CkptzipError, ValueError):
     """A configuration value out of its valid range."""
 
 
+class BaseMismatchError(CkptzipError, ValueError):
+    """A checkpoint coded against base weights (basestate.py) restored without them, or with others."""
+
+
 class StepOrderError(CkptzipError, ValueError):
     """A save's step is not after the chain's latest step (save increasing steps, or start a new chain)."""
 

@@ -104,6 +104,8 @@ CODER_STAGES = {"huffman": HUFFMAN, "ans": ANS, "zstd": ZSTD_INTS}  # codec/entr
 EXACT = _stage("exact/1", "the tensor's exact bytes (FORMAT section 3), stored by the next stage")
 LOSSLESS = _stage("lossless/1", "method lossless: the tensor's bits, or their XOR with the parent's")
 XOR = _stage("xor/1", "bits XOR the parent record's bits (same dtype and shape)")
+SAME = _stage("same/1", "the tensor is the parent checkpoint's record of the same name, bit for bit (same dtype "
+              "and shape): no blob")
 GROUP = _stage("group/1", "the words are meta.group = [blob key, offset, count] (in words) of a blob shared by "
                "the file's small records of one word width and kind, stored by the next stage")
 

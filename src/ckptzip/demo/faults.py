@@ -94,10 +94,11 @@ def failure_steps(wl: Workload, n: int) -> list[int]:
 
 def run(wl: Workload, method: str | None, *, failures: int = 10, threshold: float = 0.01, url: str | None = None,
         progress=None, method_config=None, seed: int = 0, async_save: bool = False,
-        search_in_agent: bool = True) -> RunResult:
+        search_in_agent: bool = True, base: bool = True) -> RunResult:
     """Train ``wl`` once. method=None: the uncompressed reference (no checkpoints, no failures).
     ``async_save``: through the agent; a searching method searches in the agent when the workload
-    names an ``agent_eval`` and ``search_in_agent``, else on a thread of this process."""
+    names an ``agent_eval`` and ``search_in_agent``, else on a thread of this process.
+    ``base``: give the chain the workload's base weights (``Workload.base``; synchronous saves only)."""
     own_dir = url is None and method is not None
     if own_dir:
         url = tempfile.mkdtemp(prefix=f"ckptzip-{wl.name}-{method}-")
@@ -105,6 +106,7 @@ def run(wl: Workload, method: str | None, *, failures: int = 10, threshold: floa
     if method_config is None and method is not None:
         method_config = wl.method_configs.get(method)
     model, opt, sched = wl.build(seed)
+    base_sd = wl.base() if base and wl.base is not None and method is not None and not async_save else None
 
     def compressor(m, o, s):
         if method is None:
@@ -114,7 +116,7 @@ def run(wl: Workload, method: str | None, *, failures: int = 10, threshold: floa
         options = EngineOptions(agent_eval=wl.agent_eval) if async_save and search_in_agent else None
         return Compressor(m, o, url, method, config=method_config, threshold=th, restores=failures,
                           eval_fn=wl.eval_fn, scheduler=s, save_every=wl.ckpt_every, async_save=async_save,
-                          engine_options=options)
+                          engine_options=options, base=base_sd)
 
     ck = compressor(model, opt, sched)
     fail_at = set(failure_steps(wl, failures)) if method is not None else set()

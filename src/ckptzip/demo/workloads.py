@@ -120,6 +120,8 @@ class Workload:
     description: str = ""
     method_configs: dict = field(default_factory=dict)  # method name -> config overrides for this workload
     threshold: float | None = None  # this workload's own quality budget for eval_fn (None: the caller's)
+    base: object = None      # () -> the state_dict the run starts from (fine-tuning: the pretrained
+                             # weights), for keyframes coded against it (basestate.py); None: no base
     agent_eval: str | None = None   # a factory of (model, eval_fn) the async agent can import and search with
 
     def train_step(self, model, opt, sched, step: int) -> float:
@@ -287,9 +289,12 @@ def minilm_workload(total_steps: int = 40, ckpt_every: int = 8, bsz: int = 16, m
     split = {"train": slice(0, n_tr), "val": slice(n_tr, n_tr + n_va), "test": slice(n_tr + n_va, n)}
     data = {k: (enc["input_ids"][s], enc["attention_mask"][s], y[s]) for k, s in split.items()}
 
-    def build(seed):
+    def build(seed, loading_info=False):
         torch.manual_seed(seed)
-        m = AutoModelForSequenceClassification.from_pretrained(path, num_labels=len(DOCSTRING_PACKAGES))
+        m, info = AutoModelForSequenceClassification.from_pretrained(path, num_labels=len(DOCSTRING_PACKAGES),
+                                                                     output_loading_info=True)
+        if loading_info:
+            return m, info
         if freeze_embeddings:
             # common for small-data fine-tuning; the 11.7M-row table stays in every checkpoint (no Adam state)
             m.bert.embeddings.word_embeddings.weight.requires_grad_(False)
@@ -337,12 +342,17 @@ def minilm_workload(total_steps: int = 40, ckpt_every: int = 8, bsz: int = 16, m
         logits, yy = evaluate(m, "test")
         return float((logits.argmax(-1) == yy).float().mean())
 
+    def base():
+        # the pretrained weights, without the freshly initialized head (it differs with each build's seed)
+        m, info = build(0, loading_info=True)
+        return {k: v for k, v in m.state_dict().items() if k not in info["missing_keys"]}
+
     fid = judge == "fidelity"
     space = FIDELITY_SEARCH_SPACE if fid else FINETUNE_SEARCH_SPACE
     search = {"space": space, **({"residual_space": FIDELITY_RESIDUAL_SPACE} if fid else {})}
     return Workload("minilm-docstrings", build, batch, loss, fidelity if fid else val_loss, metric, "test accuracy",
                     True, total_steps, ckpt_every, method_configs={"dynaquant": {"search": search}},
-                    threshold=FIDELITY_THRESHOLD if fid else None,
+                    threshold=FIDELITY_THRESHOLD if fid else None, base=base,
                     description=
                     f"fine-tune pretrained all-MiniLM-L6-v2 (22.7M) to tell which of {len(DOCSTRING_PACKAGES)} stdlib "
                     f"packages a docstring comes from ({n} docstrings, {n_tr * 100 // n}/{n_va * 100 // n}/"

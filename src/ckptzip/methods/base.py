@@ -35,7 +35,7 @@ from ..codec import stages as S
 from ..configcheck import check_tree, check_value
 from ..errors import ConfigError, CorruptCheckpointError, UnknownMethodError
 from ..state import FlatState, TensorRecord
-from ..tensorbytes import tensor_from_bytes, tensor_to_bytes
+from ..tensorbytes import dtype_name, tensor_from_bytes, tensor_to_bytes
 from . import groups as groups_mod
 
 
@@ -95,12 +95,14 @@ class EncodeContext:
     process_group: object | None = None           # parallel search trials; every rank must call save
     search: dict | None = None                    # a config search already run elsewhere (async saves:
                                                   # the trainer's search thread): {"knobs", "info", "state"}
+    base: object | None = None                    # basestate.BaseWeights: keyframes as residuals against it
 
 
 @dataclass(kw_only=True)
 class DecodeContext:
     step: int
     device: str | torch.device = "cpu"
+    base: object | None = None                    # basestate.BaseWeights, for files coded against one
 
 
 class Method(ABC):
@@ -273,13 +275,19 @@ EXACT_GROUPED = S.pipeline(S.EXACT, S.GROUP, S.BYTEGROUP)  # no blob: meta.group
 _RAW_BELOW_BYTES = 256  # byte-group headers and zstd frames cost more than they save on tiny tensors
 
 
-def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3, groups: groups_mod.GroupWriter | None = None) -> None:
-    """``groups``: a tensor under ``GROUP_BELOW`` bytes joins its group blob (stage ``group/1``,
-    methods/groups.py; the caller flushes ``groups`` into ``enc`` after its last record)."""
-    if groups is not None and groups_mod.nbytes(t) < groups_mod.GROUP_BELOW:
+def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3, parent: torch.Tensor | None = None,
+                 groups: groups_mod.GroupWriter | None = None) -> None:
+    """Store ``t`` bit for bit; as ``same/1`` (no blob) when it equals ``parent``, the parent checkpoint's
+    decoded record (RNG states and frozen tensors repeat from save to save). ``groups``: a tensor
+    under ``GROUP_BELOW`` bytes joins its group blob (stage ``group/1``, methods/groups.py; the
+    caller flushes ``groups`` into ``enc`` after its last record)."""
+    raw = tensor_to_bytes(t)
+    if parent is not None and parent.dtype == t.dtype and parent.shape == t.shape and tensor_to_bytes(parent) == raw:
+        enc.add(name, S.pipeline(S.EXACT, S.SAME), {})
+        return
+    if groups is not None and len(raw) < groups_mod.GROUP_BELOW:
         enc.add(name, EXACT_GROUPED, groups.add(t.detach().cpu().contiguous()))
         return
-    raw = tensor_to_bytes(t)
     if len(raw) < _RAW_BELOW_BYTES:
         enc.add(name, S.pipeline(S.EXACT, S.RAW), {}, data=raw)
         return
@@ -287,9 +295,16 @@ def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3, gr
                                                               float_bits=t.is_floating_point(), level=level))
 
 
-def decode_exact(enc: Encoded, name: str, rec: TensorRecord, groups: dict | None = None) -> torch.Tensor:
-    """``groups``: the file's decompressed group blobs, one dict per file (group_words fills it)."""
+def decode_exact(enc: Encoded, name: str, rec: TensorRecord, parent: torch.Tensor | None = None,
+                 groups: dict | None = None) -> torch.Tensor:
+    """``parent``: the parent checkpoint's decoded record of this name, for ``same/1``; ``groups``: the
+    file's decompressed group blobs, one dict per file (group_words fills it)."""
     pipeline = enc.records[name]["pipeline"]
+    if S.SAME.descriptor in pipeline:
+        if parent is None or dtype_name(parent.dtype) != rec.dtype or tuple(parent.shape) != tuple(rec.shape):
+            raise CorruptCheckpointError(f"record {name!r} is stored as its parent's, but the parent checkpoint "
+                                         "has no such record of that dtype and shape")
+        return parent.clone()
     if S.GROUP.descriptor in pipeline:
         raw = groups_mod.group_words(enc, name, {} if groups is None else groups)
     else:

@@ -31,6 +31,12 @@ minus the parent's reconstruction, and decodes to ``recon_prev + dequantize(q)``
 
 The search judges ``recon_prev + dequantize(q)`` and estimates a residual's codes as a keyframe's.
 
+Base keyframes (``EncodeContext.base``, basestate.py: the weights a fine-tuning run started from).
+Unless ``residual="never"``, a keyframe given a base quantizes ``w - base`` (stage ``residual/1``,
+the base's digest in the method meta) and the deltas after it are residuals too; decoding it needs
+``DecodeContext.base`` with that digest (``BaseMismatchError`` otherwise). Without a base, keyframes
+quantize the weights (the paper).
+
 Every config nests its quantizer's config, so every knob reaches a chain::
 
     get_method("dynaquant", {"quantizer": {"bins": 8, "domain": "sqrt"}, "moments": {"bins": 32},
@@ -53,6 +59,7 @@ import torch
 from ..codec import stages as S
 from ..codec.entropy import CODERS
 from ..configcheck import OneOf, check_fields
+from .. import basestate
 from ..errors import ConfigError, CorruptCheckpointError
 from ..quant import dynaquant as dq
 from ..quant.base import QuantizedTensor, all_finite
@@ -101,15 +108,18 @@ class QuantizingMethodConfig:
 @dataclass(frozen=True)
 class QuantizedReference(Reference):
     """The previous save's codes: weights' (delta methods) and moments' (``MomentConfig.delta``);
-    ``recon``: the quantized weights as decoded (what a residual record is added to)."""
+    ``recon``: the quantized weights as decoded (what a residual record is added to); ``exact``: the
+    exact records as decoded (a record that repeats is stored as ``same/1``)."""
 
     weights: Mapping[str, qrecord.Codes] = field(default_factory=dict)
     moments: moments.MomentReference | None = None
     recon: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    exact: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     def tensors(self) -> Iterator[torch.Tensor]:
         yield from (c.codes for c in self.weights.values())
         yield from self.recon.values()
+        yield from self.exact.values()
         if self.moments is not None:
             yield from self.moments.tensors()
 
@@ -126,6 +136,7 @@ class QuantizingMethod(Method):
         self.search_state = None  # the config search's memory between saves (previous best, ...)
         self.restored = False     # a decoded reference reached this writer: its weights descend from one
         self._bases: dict[str, torch.Tensor] = {}  # this save's residual bases (parent reconstructions)
+        self._base_chain = False  # the last keyframe was coded against base weights: its deltas are residuals
         self._targets_of: tuple | None = None      # (state, its tensors with residuals in place)
         self._trial: tuple | None = None           # the search's last quantization: (state, qcfg, gradients, out)
         self.space()  # validates config.search.space now rather than at the first save
@@ -207,6 +218,8 @@ class QuantizingMethod(Method):
         # compressible than the weights: the weights' monotone history would hold it back)
         st = dict(self.search_state or {})
         mine = st.pop("residual", None) if self._bases else {k: v for k, v in st.items() if k != "residual"} or None
+        if reference is None and self.restored and not self._bases and self.config.search.keyframe_search == "fresh":
+            mine = None  # the weights' history is the previous keyframe's: residual saves came between
         knobs, info, new = search_config(self, state, reference, ctx, mine)
         self.search_state = {**st, "residual": new} if self._bases else \
             {**new, **({"residual": st["residual"]} if "residual" in st else {})}
@@ -258,10 +271,10 @@ class QuantizingMethod(Method):
         return self._targets_of[1]
 
     @contextmanager
-    def _against(self, state: FlatState, prev: "QuantizedReference | None"):
+    def _against(self, state: FlatState, prev: "QuantizedReference | None", base=None):
         """This save's residual bases in place (``targets``, ``search_dequantize`` and the search
-        read them) for the block; yields them."""
-        self._bases = self._residual_bases(state, prev)
+        read them) for the block; yields them. ``base``: BaseWeights for a keyframe (``prev`` None)."""
+        self._bases = self._residual_bases(state, prev, base)
         try:
             yield self._bases
         finally:
@@ -270,21 +283,28 @@ class QuantizingMethod(Method):
     def _estimate_reference(self, prev: "QuantizedReference | None", reference):
         """The search's reference: a residual's codes are estimated as a keyframe's (they are not
         deltas of the parent's codes)."""
-        if not self._bases:
+        if not self._bases or prev is None:
             return reference
         return replace(prev, weights={n: c for n, c in prev.weights.items() if n not in self._bases})
 
-    def _residual_bases(self, state: FlatState, prev: "QuantizedReference | None") -> dict[str, torch.Tensor]:
-        """Record -> the parent's reconstruction, for the weights this save codes as residuals."""
-        if prev is None or self.config.residual == "never":
+    def _residual_bases(self, state: FlatState, prev: "QuantizedReference | None",
+                        base=None) -> dict[str, torch.Tensor]:
+        """Record -> the parent's reconstruction (or, for a keyframe, the base weights), for the
+        weights this save codes as residuals."""
+        if self.config.residual == "never":
             return {}
+        if prev is None:
+            if base is None:
+                return {}
+            quantized = self.search_records(state)
+            return {n: b for n, b in base.matching(state.tensors).items() if n in quantized}
         self.restored = self.restored or bool(prev.recon)
         return {n: b for n, b in prev.recon.items()
                 if n in state.tensors and tuple(b.shape) == tuple(state.tensors[n].shape)}
 
     def _keeps_recon(self) -> bool:
         r = self.config.residual
-        return r == "always" or (r == "restored" and self.restored)
+        return r == "always" or (r == "restored" and (self.restored or self._base_chain))
 
     def _reconstruct(self, q: QuantizedTensor, base: torch.Tensor | None) -> torch.Tensor:
         """The weight the decoder rebuilds: ``dequantize(q)``, plus ``base`` for a residual."""
@@ -298,7 +318,9 @@ class QuantizingMethod(Method):
         if reference is not None and prev is None:
             raise ConfigError(f"{self.name} was given a reference it did not make; pass the Reference its "
                               "encode/decode returned, or None for a keyframe")
-        with self._against(state, prev) as bases:
+        with self._against(state, prev, ctx.base) as bases:
+            if prev is None:
+                self._base_chain = bool(bases)
             t0 = time.perf_counter()
             self._trial = ()  # search_quantize keeps its last result from here on
             try:
@@ -320,7 +342,7 @@ class QuantizingMethod(Method):
         stage = S.QUANTIZED_RECORD[self.name].descriptor  # the qrecord layout, unchanged since v0.1
         planned = moments.plan_moments(state, cfg.moments, None if enc.keyframe else prev.moments,
                                        marker=stage, codes=cfg.codes)
-        codes_w, codes_m, groups = {}, {}, GroupWriter()
+        codes_w, codes_m, exact, groups = {}, {}, {}, GroupWriter()
         for name, rec in state.records.items():
             q = quantized.get(name)
             if name in planned:
@@ -328,7 +350,8 @@ class QuantizingMethod(Method):
                 if c is not None:
                     codes_m[name] = c
             elif q is None:
-                encode_exact(enc, name, state.tensors[name], groups=groups)
+                t = exact[name] = state.tensors[name].detach().to("cpu", copy=True)  # training moves the live one
+                encode_exact(enc, name, t, parent=None if enc.keyframe else prev.exact.get(name), groups=groups)
             else:
                 p = None if enc.keyframe else prev.weights.get(name)
                 meta = {k: v for k, v in q.meta.items() if k in qrecord.RECORD_META}
@@ -341,26 +364,33 @@ class QuantizingMethod(Method):
                                **search_info, **({"residual": True} if bases else {})}
         if self.search_state is not None:
             enc.meta["search_state"] = self.search_state  # read back by resume() after a restart
-        return enc, self._reference(ctx.step, codes_w, codes_m, recon)
+        if enc.keyframe and bases:
+            enc.meta["base"] = ctx.base.digest  # a restore needs the same base (basestate.require)
+        return enc, self._reference(ctx.step, codes_w, codes_m, recon, exact)
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
         prev = reference if isinstance(reference, QuantizedReference) else None
+        if prev is not None:
+            bases = prev.recon
+        else:  # a keyframe: residuals only against the base weights it names
+            digest = encoded.meta.get("base")
+            bases = {} if digest is None else basestate.require(ctx.base, str(digest), ctx.step).tensors
         out: dict[str, torch.Tensor] = {}
         codes_w, moment_records, groups = {}, {}, {}
         for name, rec in records.items():
             if is_exact(encoded, name):
-                out[name] = decode_exact(encoded, name, rec, groups)
+                out[name] = decode_exact(encoded, name, rec, prev.exact.get(name) if prev else None, groups)
             elif rec.role != "weight":
                 moment_records[name] = rec
             else:
                 q = qrecord.load(encoded, name, rec.shape, rec.dtype, prev.weights.get(name) if prev else None)
                 base = None
                 if qrecord.is_residual(encoded, name):
-                    base = prev.recon.get(name) if prev else None
+                    base = bases.get(name)
                     if base is None or tuple(base.shape) != tuple(rec.shape):
                         raise CorruptCheckpointError(f"record {name!r} is a residual but its parent checkpoint "
-                                                     "has no reconstruction of that shape for it")
+                                                     "(or base) has no reconstruction of that shape for it")
                 try:
                     out[name] = self._reconstruct(q, base)
                 except ValueError as e:
@@ -372,12 +402,12 @@ class QuantizingMethod(Method):
         # every decoded weight stays a possible residual base: the writer that takes this reference over
         # decides (its config.residual), and a residual record's parent may be of another config
         ref = self._reference(ctx.step, codes_w, mref.codes if mref is not None else {},
-                              {n: out[n] for n in codes_w})
+                              {n: out[n] for n in codes_w}, {n: out[n] for n in records if is_exact(encoded, n)})
         return {n: t.to(ctx.device) for n, t in out.items()}, ref
 
-    def _reference(self, step: int, codes_w: dict, codes_m: dict, recon: dict) -> QuantizedReference:
+    def _reference(self, step: int, codes_w: dict, codes_m: dict, recon: dict, exact: dict) -> QuantizedReference:
         return QuantizedReference(step, codes_w if self.delta_weights else {},
-                                  moments.MomentReference(codes_m) if self._moment_deltas else None, recon)
+                                  moments.MomentReference(codes_m) if self._moment_deltas else None, recon, exact)
 
     @property
     def _moment_deltas(self) -> bool:
