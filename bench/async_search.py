@@ -1,18 +1,20 @@
 """Where an async save's config search runs, side by side (issue 15): on a thread of the trainer
 (``Compressor(async_save=True, eval_fn=...)``) or in the agent (``EngineOptions.agent_eval``).
 
-Each workload trains once uncompressed, then with ``dynaquant`` and 10 restores in each mode, in one
-process, on the cores the agent leaves (as ``ckptzip demo --async``). Columns as the demo's table:
-"step time" is the loop's time per executed step, save blocking included, over the uncompressed
-run's, minus 1; "drain" is the time spent waiting for queued saves (at each failure's close, and at
-the end) over the training time: where an agent that falls behind shows its cost.
+Each workload trains once uncompressed, then with ``dynaquant`` in each mode, without failures (so
+an agent that falls behind shows as blocked saves and as the final wait, not hidden in restarts)
+and with 10, in one process, on the cores the agent leaves (as ``ckptzip demo --async``). "step
+time" is the loop's time per executed step, save blocking included, over the uncompressed run's,
+minus 1; "drain" is the time spent waiting for queued saves over the training time: at the end,
+and with failures also at each close (which waits for the agent it started: ~1.5 s of imports).
 
-Run:  .venv/bin/python bench/async_search.py                 (digits and GPT-2; about 4 minutes)
+Run:  .venv/bin/python bench/async_search.py                 (digits and GPT-2; about 6 minutes)
       .venv/bin/python bench/async_search.py -w digits
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import time
 
@@ -23,7 +25,7 @@ from ckptzip.demo.report import markdown
 from ckptzip.demo.run import workload_for
 from ckptzip.engine import EngineOptions
 
-COLUMNS = ("workload", "search runs in", "end-to-end degradation", "ratio (full state)", "ckpt overhead",
+COLUMNS = ("workload", "search runs in", "failures", "end-to-end degradation", "ratio (full state)", "ckpt overhead",
            "step time vs uncompressed", "drain", "wall s")
 
 
@@ -36,10 +38,10 @@ def main() -> None:
     for name in args.workload or ["digits", "gpt2"]:
         wl = workload_for(name, False)
         base = faults.run(wl, None)
-        for where, in_agent in (("trainer thread", False), ("agent", True)):
+        for failures, (where, in_agent) in itertools.product((0, 10), (("trainer thread", False), ("agent", True))):
             t0 = time.perf_counter()
-            r = faults.run(wl, "dynaquant", async_save=True, search_in_agent=in_agent)
-            rows.append([wl.name, where, f"{100 * r.degradation(base):+.2f} %", f"{r.ratio:.1f}x",
+            r = faults.run(wl, "dynaquant", failures=failures, async_save=True, search_in_agent=in_agent)
+            rows.append([wl.name, where, str(failures), f"{100 * r.degradation(base):+.2f} %", f"{r.ratio:.1f}x",
                          f"{100 * r.overhead:.1f} %", f"{100 * r.slowdown(base):+.0f} %", f"{100 * r.drain:.1f} %",
                          f"{time.perf_counter() - t0:.0f}"])
             print(markdown(COLUMNS, rows[-1:]).splitlines()[-1], flush=True)

@@ -21,7 +21,7 @@ from .chain import CheckpointChain, Entry, KeyframePolicy, RetentionPolicy
 from .configcheck import Range, check_arg, check_args
 from .errors import ConfigError
 from .fitcheck import check_fits
-from .methods.base import EncodeContext
+from .methods.base import EncodeContext, searches
 
 
 # the training-loop arguments of Compressor (and of the integrations that share them): annotation, rule
@@ -137,7 +137,7 @@ class Compressor:
                                                  keyframe=keyframe, retention=retention,
                                                  storage_options=storage_options, takeover=takeover)
             warn_if_oversubscribed(model, self._engine.options)
-            if eval_fn is not None and _searches(self.chain.method) and not self._engine.options.agent_eval:
+            if eval_fn is not None and searches(self.chain.method) and not self._engine.options.agent_eval:
                 from .asyncsearch import SearchingSaver
 
                 # the search runs on a background thread here; the agent encodes with its knobs
@@ -267,12 +267,6 @@ class SaveWindowRecorder:
     def close(self) -> None:
         self._hook.remove()
         self.rec.close()
-
-
-def _searches(method) -> bool:
-    """Whether the method runs a config search when given eval_fn (the quantizing methods)."""
-    cfg = getattr(method, "config", None)
-    return hasattr(method, "choose_knobs") and bool(getattr(getattr(cfg, "search", None), "enabled", False))
 
 
 def _wants_gradients(method) -> bool:

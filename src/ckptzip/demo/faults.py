@@ -39,7 +39,8 @@ class RunResult:
     train_s: float = 0.0
     ckpt_s: float = 0.0
     restore_s: float = 0.0
-    drain_s: float = 0.0             # waiting for queued async saves: in close() at each failure, and at the end
+    drain_s: float = 0.0             # waiting for queued saves: in close() at each failure (an async agent's
+                                     # start-up included), and at the end
 
     @property
     def ratio(self) -> float:
@@ -55,8 +56,9 @@ class RunResult:
 
     @property
     def drain(self) -> float:
-        """Waiting for queued saves over the training time: what an async agent that falls behind costs
-        (in a run without failures it would block ``save`` instead, through backpressure)."""
+        """Waiting for queued saves over the training time. Without failures (one wait, at the end): what
+        an async agent left undone when training stopped; with failures, each close also waits for the
+        agent it started (~1.5 s of imports), which the demo's short runs cannot hide."""
         return self.drain_s / self.train_s if self.train_s else math.nan
 
     def slowdown(self, reference: "RunResult") -> float:

@@ -8,7 +8,7 @@ import pathlib
 from .faults import RunResult
 
 COLUMNS = ("workload", "method", "metric", "end-to-end degradation", "ratio (full state)", "ratio (weights)",
-           "ckpt overhead", "step time vs uncompressed", "drain", "restores")
+           "ckpt overhead", "step time vs uncompressed", "restores")
 
 
 def rows(results: list[RunResult]) -> list[list[str]]:
@@ -17,13 +17,13 @@ def rows(results: list[RunResult]) -> list[list[str]]:
     for r in results:
         base = ref.get(r.workload)
         if r.method == "uncompressed":
-            out.append([r.workload, r.method, f"{r.final_metric:.4f}", "-", "1.0x", "1.0x", "-", "-", "-", "0"])
+            out.append([r.workload, r.method, f"{r.final_metric:.4f}", "-", "1.0x", "1.0x", "-", "-", "0"])
             continue
         deg = r.degradation(base) if base else math.nan
         wr = f"{r.weights_ratio:.1f}x" if not math.isnan(r.weights_ratio) else "n/a"
         out.append([r.workload, r.method, f"{r.final_metric:.4f}", f"{100 * deg:+.2f} %", f"{r.ratio:.1f}x", wr,
                     f"{100 * r.overhead:.1f} %", f"{100 * r.slowdown(base):+.0f} %" if base else "n/a",
-                    f"{100 * r.drain:.1f} %", str(len(r.restores))])
+                    str(len(r.restores))])
     return out
 
 

@@ -219,7 +219,7 @@ class _Agent:
                       exc_type=type(e).__name__, errno=getattr(e, "errno", None), traceback=traceback.format_exc())
 
     def _encode(self, seg, info, step: int):
-        from ..methods.base import EncodeContext
+        from ..methods.base import EncodeContext, searches
 
         flat, aux, meta = self.staging.load_slot(seg, info, clone=False)
         try:
@@ -231,7 +231,7 @@ class _Agent:
                 if isinstance(v, dict) and "__aux__" in v:  # a dict of tensors staged beside the state
                     v = {p: aux[n] for p, n in v["__aux__"].items()}
                 kwargs[k] = v
-            if self.opts.get("agent_eval"):
+            if self.opts.get("agent_eval") and searches(self.chain.method):
                 if self.evaluator is None:
                     from ..ingest.compress import load_eval
 

@@ -260,6 +260,12 @@ def get_method(name_or_descriptor: str, config=None, **overrides) -> Method:
     return method_class(name_or_descriptor)(config, **overrides)
 
 
+def searches(method: Method) -> bool:
+    """Whether ``method`` runs a config search when given eval_fn (the quantizing methods, search on)."""
+    cfg = getattr(method, "config", None)
+    return hasattr(method, "choose_knobs") and bool(getattr(getattr(cfg, "search", None), "enabled", False))
+
+
 def available_methods() -> list[str]:
     names = set(_REGISTRY)
     for name, mod in _BUILTIN.items():
