@@ -11,7 +11,7 @@ import torch
 from ckptzip.chain import CheckpointChain
 from ckptzip.demo.workloads import DigitsMLP, digits_data
 from ckptzip.errors import ConfigError
-from ckptzip.methods.base import EncodeContext, get_method
+from ckptzip.methods.base import EncodeContext, get_method, method_for_file
 from ckptzip.methods.qrecord import Codes
 from ckptzip.methods.quantizing import QuantizedReference
 from ckptzip.quant.dynaquant import dequantize
@@ -41,6 +41,20 @@ def test_space_validation_and_axis_order():
                          "embedding_bins": 32}
     assert cube.point(c) == (1, 0, 2, 1) and cube.from_knobs(c.knobs()) == c
     assert cube.from_knobs({"bins": 8}) is None  # a previous best from another space: start over
+
+
+def test_a_named_space_preset_reaches_the_method_and_its_files(tmp_path):
+    wide = get_method("dynaquant", {"search": {"space": "wide"}}).space()
+    assert wide == DynaQuantSpace(**DynaQuantSpace.presets["wide"]) and min(wide.bins) == 2
+    with pytest.raises(ConfigError, match="no preset 'wid'; choose from \\['wide'\\]"):
+        get_method("dynaquant", {"search": {"space": "wid"}})
+    # the name is what the manifest records; a reader rebuilds the method from it
+    model = DigitsMLP(16)
+    chain = CheckpointChain(tmp_path / "c", "dynaquant", {"search": {"space": "wide"}})
+    chain.save({"model": model.state_dict()}, 1)
+    manifest = CheckpointChain(tmp_path / "c").manifest(1)
+    assert manifest["config"]["search"]["space"] == "wide"
+    assert method_for_file(manifest["method"], manifest["config"]).space() == wide
 
 
 def _minimal(points):

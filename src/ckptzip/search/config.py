@@ -3,7 +3,8 @@
     get_method("dynaquant", {"search": {"policy": "free", "space": {"bins": [8, 16]}}})
 
 ``space`` narrows the method's search space (search/spaces.py: a dict of that space's fields, each
-a list of the values its knob may take); None is the paper's table for the method.
+a list of the values its knob may take, or the name of one of the space's presets, e.g. dynaquant's
+``"wide"``); None is the paper's table for the method.
 ``residual_space``: the space of saves that quantize residuals against the parent's reconstruction
 (``residual`` in the method's config); None is the space class's ``for_residuals()``.
 """
@@ -22,7 +23,7 @@ class SearchConfig:
     enabled: bool = True             # search when the caller gives eval_fn (and model); False: fixed config
     policy: str = "monotone"         # "monotone": never more aggressive than the previous best; "free"
     neighbourhood: int = 1           # e: axis steps from the previous best in the steady state
-    space: dict | None = None        # fields of the method's space class; None: the paper's table
+    space: dict | str | None = None  # fields of the method's space class, or a preset name; None: the paper's table
     residual_space: dict | None = None  # the same for residual saves (methods/quantizing.py); None:
                                         # the space class's ``for_residuals()``
     residual_policy: str = "free"    # the policy of residual saves: what a residual costs is the drift

@@ -53,6 +53,7 @@ class Space:
     group_knob: ClassVar[str | None] = None  # categorical knob searched one value at a time
     int_fields: ClassVar[dict[str, tuple[int, int]]] = {}      # field -> inclusive [lo, hi]
     fraction_fields: ClassVar[tuple[str, ...]] = ()           # fields holding values in [0, 1)
+    presets: ClassVar[dict[str, dict]] = {}                    # name -> fields: named, measured variants
 
     def __post_init__(self):
         name = type(self).__name__
@@ -77,18 +78,24 @@ class Space:
 
     @classmethod
     def from_any(cls, obj) -> "Space":
-        """None -> the default space; an instance as is; a dict (e.g. read from a manifest) -> fields."""
+        """None -> the default space; an instance as is; a dict (e.g. read from a manifest) -> fields;
+        a name -> one of the class's ``presets``."""
         if obj is None:
             return cls()
         if isinstance(obj, cls):
             return obj
+        if isinstance(obj, str):
+            if obj not in cls.presets:
+                raise ConfigError(f"{cls.__name__} has no preset {obj!r}; choose from {sorted(cls.presets)} "
+                                  "or give the space's fields as a dict")
+            return cls(**cls.presets[obj])
         if isinstance(obj, dict):
             names = {f.name for f in fields(cls)}
             unknown = set(obj) - names
             if unknown:
                 raise ConfigError(f"{cls.__name__} has no field(s) {sorted(unknown)}; valid: {sorted(names)}")
             return cls(**obj)
-        raise ConfigError(f"search space must be a {cls.__name__} or a dict, got {type(obj).__name__}")
+        raise ConfigError(f"search space must be a {cls.__name__}, a dict or a preset name, got {type(obj).__name__}")
 
     @classmethod
     def for_residuals(cls) -> "Space":
@@ -122,6 +129,10 @@ class DynaQuantSpace(Space):
 
     group_knob: ClassVar[str] = "prune_metric"
     int_fields: ClassVar[dict] = {"bins": (2, 65533), "embedding_bins": (2, 65533)}
+    # "wide": the paper's space plus 2-3 bins and 60-80 % pruning. On the 20-checkpoint GPT-2 chain
+    # at 1 %: weights 42.7x against 32.0x, worst checkpoint 0.67 % against 0.38 % (docs/BENCHMARKS.md)
+    presets: ClassVar[dict] = {"wide": {"bins": (2, 3, 4, 6, 8, 12, 16, 32),
+                                        "prune_fraction": (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)}}
     fraction_fields: ClassVar[tuple] = ("prune_fraction", "protect_fraction")
 
     def __post_init__(self):
