@@ -46,8 +46,10 @@ def test_space_validation_and_axis_order():
 def test_a_named_space_preset_reaches_the_method_and_its_files(tmp_path):
     wide = get_method("dynaquant", {"search": {"space": "wide"}}).space()
     assert wide == DynaQuantSpace(**DynaQuantSpace.presets["wide"]) and min(wide.bins) == 2
-    with pytest.raises(ConfigError, match="no preset 'wid'; choose from \\['wide'\\]"):
+    with pytest.raises(ConfigError, match="SearchConfig.space must be .* preset name \\(wide\\), got 'wid'"):
         get_method("dynaquant", {"search": {"space": "wid"}})
+    with pytest.raises(ConfigError, match="QDSpace has no preset 'wide'"):
+        get_method("qd", {"search": {"space": "wide"}})
     # the name is what the manifest records; a reader rebuilds the method from it
     model = DigitsMLP(16)
     chain = CheckpointChain(tmp_path / "c", "dynaquant", {"search": {"space": "wide"}})

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..configcheck import OneOf, Range, check_fields
+from ..errors import ConfigError
 
 SEARCH_POLICIES = ("monotone", "free")
 KEYFRAME_SEARCHES = ("history", "fresh")
@@ -34,6 +35,12 @@ class SearchConfig:
                                      # old (digits demo: 16 -> 4 bins, 30.5x -> 31.3x; docs/BENCHMARKS.md)
 
     def __post_init__(self):
+        if isinstance(self.space, str):
+            from .spaces import preset_names  # spaces imports the quantizers: late, to keep this module light
+
+            if self.space not in preset_names():
+                raise ConfigError(f"SearchConfig.space must be a dict of the space's fields or a preset name "
+                                  f"({', '.join(sorted(preset_names()))}), got {self.space!r}")
         check_fields(self, policy=OneOf(SEARCH_POLICIES), residual_policy=OneOf(SEARCH_POLICIES),
                      keyframe_search=OneOf(KEYFRAME_SEARCHES),
                      neighbourhood=Range(ge=0))

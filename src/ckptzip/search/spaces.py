@@ -227,3 +227,13 @@ class GoboSpace(Space):
                 Axis("embedding_bins", tuple(sorted(self.embedding_bins)), embedding=True),
                 # a higher log-density threshold keeps more values exact: better quality
                 Axis("outlier_log_prob", tuple(sorted(float(x) for x in self.outlier_log_prob))))
+
+
+def preset_names() -> set[str]:
+    """Every preset name of every space class (``SearchConfig.space`` may name one)."""
+    found, todo = set(), [Space]
+    while todo:
+        cls = todo.pop()
+        found |= set(cls.presets)
+        todo += cls.__subclasses__()
+    return found
