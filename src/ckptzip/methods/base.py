@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from collections.abc import Iterator
 from typing import Callable, ClassVar
 
+import numpy as np
 import torch
 
 from ..codec import bytegroup
@@ -35,7 +36,7 @@ from ..codec import stages as S
 from ..configcheck import check_tree, check_value
 from ..errors import ConfigError, CorruptCheckpointError, UnknownMethodError
 from ..state import FlatState, TensorRecord
-from ..tensorbytes import dtype_name, tensor_from_bytes, tensor_to_bytes
+from ..tensorbytes import dtype_name, tensor_from_bytes, tensor_to_bytes, to_numpy_bits
 from . import groups as groups_mod
 
 
@@ -288,7 +289,8 @@ def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3, pa
     under ``GROUP_BELOW`` bytes joins its group blob (stage ``group/1``, methods/groups.py; the
     caller flushes ``groups`` into ``enc`` after its last record)."""
     raw = tensor_to_bytes(t)
-    if parent is not None and parent.dtype == t.dtype and parent.shape == t.shape and tensor_to_bytes(parent) == raw:
+    if parent is not None and parent.dtype == t.dtype and parent.shape == t.shape and \
+            np.array_equal(to_numpy_bits(parent).view(np.uint8), np.frombuffer(raw, np.uint8)):  # no copy of parent
         enc.add(name, S.pipeline(S.EXACT, S.SAME), {})
         return
     if groups is not None and len(raw) < groups_mod.GROUP_BELOW:
