@@ -6,6 +6,7 @@ the Python standard library's source text), so nothing is downloaded.
 from __future__ import annotations
 
 import copy
+import inspect
 import pathlib
 import sysconfig
 from dataclasses import dataclass, field
@@ -135,10 +136,13 @@ class Workload:
         return float(loss.detach())
 
 
-DIGITS_HIDDEN = 256
+def _defaults(fn, **given) -> bool:
+    """Whether ``given`` are ``fn``'s own defaults: an ``agent_eval`` factory rebuilds the default model."""
+    params = inspect.signature(fn).parameters
+    return all(params[k].default == v for k, v in given.items())
 
 
-def digits_workload(total_steps: int = 600, ckpt_every: int = 30, hidden: int = DIGITS_HIDDEN) -> Workload:
+def digits_workload(total_steps: int = 600, ckpt_every: int = 30, hidden: int = 256) -> Workload:
     xtr, ytr, xrest, yrest = digits_data(0)
     xva, yva, xte, yte = xrest[:200], yrest[:200], xrest[200:], yrest[200:]
 
@@ -166,8 +170,8 @@ def digits_workload(total_steps: int = 600, ckpt_every: int = 30, hidden: int = 
     return Workload("digits-mlp", build, batch, loss, eval_fn, metric, "test accuracy", True, total_steps, ckpt_every,
                     f"MLP 64-{hidden}-{hidden}-10 with LayerNorm, Adam 1e-3, scikit-learn digits "
                     "(1400 train / 200 val / 197 test)",
-                    agent_eval="ckptzip.demo.workloads:digits_eval" if hidden == DIGITS_HIDDEN else None)
-
+                    agent_eval="ckptzip.demo.workloads:digits_eval" if _defaults(digits_workload, hidden=hidden)
+                    else None)
 
 
 def digits_eval() -> tuple[nn.Module, object]:
@@ -214,7 +218,7 @@ def gpt2_workload(total_steps: int = 240, ckpt_every: int = 12, n_embd: int = 12
         m.train(was)
         return out
 
-    default_model = (n_embd, n_layer, seq) == (128, 4, 64)
+    default_model = _defaults(gpt2_workload, n_embd=n_embd, n_layer=n_layer, seq=seq)
     return Workload("gpt2-stdlib", build, batch, loss, eval_fn, eval_fn, "val loss (nats/byte)", False,
                     total_steps, ckpt_every,
                     f"GPT-2 from config (vocab 256, d={n_embd}, {n_layer} layers), AdamW 1e-3 + warmup, "
