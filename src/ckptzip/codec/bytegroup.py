@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import struct
 import sys
+from collections.abc import Collection
 
 import numpy as np
 
@@ -72,10 +73,12 @@ def merge_planes(planes: np.ndarray, rotate: bool, dtype, *, backend: str = "aut
 
 
 def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, level: int = 3,
-             prev: bytes | memoryview | None = None, plane: bool = True) -> bytes:
+             prev: bytes | memoryview | None = None, plane: bool = True, store_raw: Collection[int] = ()) -> bytes:
     """Byte-grouped zstd of ``raw`` (``width``-byte words); ``prev``: words of the same size to XOR
     with first (what a delta against the previous checkpoint stores), in the same pass; ``plane``:
-    frames tuned for byte planes (False: zstd's plain ``level``)."""
+    frames tuned for byte planes (False: zstd's plain ``level``); ``store_raw``: plane indices stored raw
+    without trying zstd (a caller's prediction, e.g. the parent's same plane did not shrink: the
+    low mantissa planes of an XOR delta are near-random)."""
     raw = memoryview(raw).cast("B")
     if width not in _UINT or len(raw) % width:
         raise ValueError(f"byte grouping needs a width in {sorted(_UINT)} dividing the data, got {width}")
@@ -89,12 +92,18 @@ def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, le
     rotate = bool(float_bits and width > 1)
     planes = split_planes(words, rotate, prev)  # (width, n): MSB plane first
     parts = []
-    for p in planes:
-        c = zstd_compress(p.data, level, plane=plane)
+    for i, p in enumerate(planes):
+        c = p.data if i in store_raw else zstd_compress(p.data, level, plane=plane)
         parts.append(p.data if len(c) >= p.size else c)  # a plane zstd cannot shrink is stored raw
     lens = [len(c) | (_RAW if isinstance(c, memoryview) else 0) for c in parts]
     head = struct.pack(f"<BBQ{width}I", width, int(rotate), len(words), *lens)
     return b"".join([head, *parts])
+
+
+def raw_planes(blob: bytes | memoryview) -> tuple[int, ...]:
+    """The indices of the planes ``blob`` (written by :func:`compress`) stores raw."""
+    width = blob[0]
+    return tuple(i for i, ln in enumerate(struct.unpack_from(f"<{width}I", blob, 10)) if ln & _RAW)
 
 
 def decompress(blob: bytes | memoryview) -> bytes:

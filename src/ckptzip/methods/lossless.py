@@ -17,7 +17,7 @@ bits when the pipeline says ``xor/1``.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,7 +30,7 @@ from ..parallel import thread_map
 from ..state import FlatState, TensorRecord
 from ..tensorbytes import BITS_DTYPE, tensor_from_bytes, to_numpy_bits
 from .base import DecodeContext, EncodeContext, Encoded, Method, Reference, register
-from .groups import GROUP_BELOW, GroupWriter, group_words, nbytes
+from .groups import GROUP_BELOW, GroupWords, GroupWriter, group_words
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,14 @@ class LosslessConfig:
 
 @dataclass(frozen=True)
 class LosslessReference(Reference):
-    """The previous checkpoint's exact tensors (CPU), XOR-ed against by the next delta."""
+    """The previous checkpoint's exact tensors (CPU), XOR-ed against by the next delta. An encoder's
+    reference also keeps its group blobs' words (``groups``: the small records' tensors in ``exact``
+    are views of them, XORed whole) and which planes of each blob were stored raw (``raw_planes``,
+    by record or group key: the next delta stores those raw untried)."""
 
     exact: Mapping[str, torch.Tensor]
+    groups: Mapping[str, GroupWords] = field(default_factory=dict)
+    raw_planes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     def tensors(self) -> Iterator[torch.Tensor]:
         return iter(self.exact.values())
@@ -53,6 +58,20 @@ class LosslessReference(Reference):
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().view(BITS_DTYPE[t.element_size()])
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, on the CPU and contiguous (no call where it already is: a save visits every record)."""
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_cpu:
+        t = t.cpu()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+_PLAIN = [S.LOSSLESS.descriptor]
+_XOR = [S.LOSSLESS.descriptor, S.XOR.descriptor]
+_OWN, _GROUPED = [S.BYTEGROUP.descriptor], [S.GROUP.descriptor, S.BYTEGROUP.descriptor]
 
 
 @register
@@ -64,40 +83,47 @@ class LosslessMethod(Method):
     group_below = GROUP_BELOW  # records under this many bytes share a group blob (0: every record its own)
 
     def encode(self, state: FlatState, reference: Reference | None, *, ctx: EncodeContext) -> tuple[Encoded, Reference]:
-        prev = reference.exact if reference is not None else None
+        prev = reference if isinstance(reference, LosslessReference) else None
+        pexact = prev.exact if prev is not None else {}
+        praw = prev.raw_planes if prev is not None else {}
         enc = Encoded(keyframe=prev is None)
         level = self.config.zstd_level
 
-        def prepare(name: str):  # the tensor, its parent's bits when it is XORed, its pipeline
-            t = state.tensors[name].detach().cpu().contiguous()
-            p = prev.get(name) if prev is not None else None
-            xor = p is not None and p.dtype == t.dtype and p.shape == t.shape and t.numel() > 0
-            pipeline = [S.LOSSLESS.descriptor] + ([S.XOR.descriptor] if xor else [])
-            return t, (to_numpy_bits(p) if xor else None), pipeline
-
-        def one(name: str):  # XOR, byte planes and zstd of one tensor (threads: none of it holds the GIL)
-            t, p, pipeline = prepare(name)
+        def one(item):  # XOR, byte planes and zstd of one tensor (threads: none of it holds the GIL)
+            name, t, p = item
             data = bytegroup.compress(to_numpy_bits(t), t.element_size(), float_bits=t.is_floating_point(),
-                                      level=level, prev=p)
-            return pipeline + [S.BYTEGROUP.descriptor], data, t.clone()
+                                      level=level, prev=None if p is None else to_numpy_bits(p),
+                                      store_raw=() if p is None else praw.get(name, ()))
+            return data, t.clone()
 
-        names = list(state.records)
-        small = [n for n in names if nbytes(state.tensors[n]) < self.group_below]
-        large = [n for n in names if nbytes(state.tensors[n]) >= self.group_below]
-        ref, metas, groups = {}, {}, GroupWriter(level)
-        for name in small:
-            t, p, pipeline = prepare(name)
-            metas[name] = (pipeline + [S.GROUP.descriptor, S.BYTEGROUP.descriptor], groups.add(t, p))
-            ref[name] = t.clone()
-        groups.flush(enc)
-        coded = dict(zip(large, thread_map(one, large)))
-        for name in names:  # records in the state's order
-            if name in metas:
-                enc.add(name, *metas[name])
+        metas, large, groups, members = {}, [], GroupWriter(level), {}
+        for name in state.records:  # one pass: the parent each record is XORed with, its own blob or a group's
+            t = _host(state.tensors[name])
+            p = pexact.get(name)
+            if p is not None and not (p.dtype == t.dtype and p.shape == t.shape and t.numel() > 0):
+                p = None
+            if t.numel() * t.element_size() < self.group_below:
+                meta = groups.add(t, p)
+                metas[name] = (_PLAIN if p is None else _XOR) + _GROUPED, meta
+                members.setdefault(meta["group"][0], []).append(name)
             else:
-                pipeline, data, ref[name] = coded[name]
+                metas[name] = (_PLAIN if p is None else _XOR) + _OWN, None
+                large.append((name, t, p))
+        kept = groups.flush(enc, prev=prev.groups if prev is not None else None, keep=True,
+                            raw_planes=praw if not enc.keyframe else None)
+        coded = dict(zip((n for n, _, _ in large), thread_map(one, large)))
+        ref = {n: v for key, g in kept.items() for n, v in zip(members[key], g.views)}
+        # which planes of a delta's blobs did not shrink (a keyframe's planes predict nothing of a delta's)
+        raw_planes = {} if enc.keyframe else {k: bytegroup.raw_planes(enc.blobs[k]) for k in kept}
+        for name, (pipeline, meta) in metas.items():  # records in the state's order
+            if meta is not None:
+                enc.add(name, pipeline, meta)
+            else:
+                data, ref[name] = coded[name]
+                if pipeline is not _PLAIN:
+                    raw_planes[name] = bytegroup.raw_planes(data)
                 enc.add(name, pipeline, {}, data=data)
-        return enc, LosslessReference(ctx.step, {n: ref[n] for n in names})
+        return enc, LosslessReference(ctx.step, {n: ref[n] for n in metas}, kept, raw_planes)
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
