@@ -102,8 +102,7 @@ def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, le
 
 def raw_planes(blob: bytes | memoryview) -> tuple[int, ...]:
     """The indices of the planes ``blob`` (written by :func:`compress`) stores raw."""
-    width = blob[0]
-    return tuple(i for i, ln in enumerate(struct.unpack_from(f"<{width}I", blob, 10)) if ln & _RAW)
+    return tuple(i for i, ln in enumerate(struct.unpack_from(f"<{blob[0]}I", blob, 10)) if ln & _RAW)
 
 
 def decompress(blob: bytes | memoryview) -> bytes:

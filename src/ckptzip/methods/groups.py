@@ -11,7 +11,7 @@ Call order::
 
     g = GroupWriter(level)                 # encode
     meta = g.add(t, parent)                # per small record: its meta.group, in record order
-    g.flush(enc)                           # the group blobs into enc.blobs (keep=True: their words)
+    g.flush(enc)                           # the group blobs into enc.blobs; returns their words
     words = group_words(encoded, name, cache)   # decode: the record's bytes (cache: one dict per file)
 """
 from __future__ import annotations
@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ..codec import bytegroup
 from ..errors import CorruptCheckpointError
-from ..tensorbytes import BITS_DTYPE
 
 if TYPE_CHECKING:  # base.py imports this module (encode_exact)
     from .base import Encoded
@@ -39,20 +39,15 @@ def group_key(t: torch.Tensor) -> str:
     return f"group.{t.element_size()}{'f' if t.is_floating_point() else 'i'}"
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """A flat view of ``t``'s words as the same-width integer (fp16 and bf16, int8 and uint8 share a
-    group: their words must not be promoted to a wider type when concatenated)."""
-    return t.reshape(-1).view(BITS_DTYPE[t.element_size()])
-
-
-@dataclass(frozen=True)
-class GroupWords:
-    """A group blob's words before compression (its records' bits, in record order) and each record
-    as a view of them: what ``lossless`` keeps as the next save's reference, so that a group whose
-    records are these same views again is XORed with ``words`` in one pass."""
-
-    words: torch.Tensor
-    views: tuple[torch.Tensor, ...]
+def _words(ts: list[torch.Tensor]) -> np.ndarray:
+    """The tensors' words (CPU, contiguous; one width), concatenated into a new array of unsigned ints.
+    Viewed as integers before joining when dtypes differ: fp16 and bf16, int8 and uint8 share a
+    group, and numpy would promote their values to a wider type."""
+    arrays = [t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy() for t in ts]
+    uint = np.dtype(f"u{ts[0].element_size()}")
+    if any(a.dtype != arrays[0].dtype for a in arrays):
+        arrays = [a.view(uint) for a in arrays]
+    return np.concatenate(arrays, axis=None).view(uint)
 
 
 @dataclass
@@ -83,33 +78,23 @@ class GroupWriter:
         g.parents.append(parent)
         return meta
 
-    def flush(self, enc: Encoded, *, prev: dict[str, GroupWords] | None = None, keep: bool = False,
-              raw_planes: dict[str, tuple[int, ...]] | None = None) -> dict[str, GroupWords]:
-        """The group blobs into ``enc.blobs``. ``prev``: a group's words of the last save (``keep``'s
-        output), used whole when every record's parent is its view there; ``raw_planes``: per group,
-        planes to store raw untried (bytegroup.compress). With ``keep``, returns each group's words."""
+    def flush(self, enc: Encoded, *, prev: dict[str, np.ndarray] | None = None,
+              raw_planes: dict[str, tuple[int, ...]] | None = None) -> dict[str, np.ndarray]:
+        """The group blobs into ``enc.blobs``; returns each group's words (unsigned ints, a copy).
+        ``prev``: per group, the words to XOR it with whole (instead of its records' parents: a
+        group of the same records as last save's); ``raw_planes``: per group, planes to store raw
+        untried (bytegroup.compress)."""
         out = {}
         for key, g in self._groups.items():
             width, is_float = int(key[len("group."):-1]), key.endswith("f")
-            words = torch.cat([_bits(t) for t in g.tensors]) if len(g.tensors) > 1 else _bits(g.tensors[0]).clone()
-            p = prev.get(key) if prev else None
-            if p is not None and len(p.views) == len(g.parents) and all(a is b for a, b in zip(p.views, g.parents)):
-                parent = p.words
-            elif any(q is not None for q in g.parents):  # XOR with zeros keeps a record's own bits
-                parent = torch.cat([_bits(q) if q is not None else torch.zeros(t.numel(), dtype=words.dtype)
-                                    for t, q in zip(g.tensors, g.parents)])
-            else:
-                parent = None
-            enc.blobs[key] = bytegroup.compress(words.numpy(), width, float_bits=is_float, level=self.level,
-                                                prev=None if parent is None else parent.numpy(),
+            words = _words(g.tensors)
+            parent = prev.get(key) if prev else None
+            if parent is None and any(q is not None for q in g.parents):  # XOR with zeros keeps a record's bits
+                parent = _words([q if q is not None else torch.zeros(t.numel(), dtype=t.dtype)
+                                 for t, q in zip(g.tensors, g.parents)])
+            enc.blobs[key] = bytegroup.compress(words, width, float_bits=is_float, level=self.level, prev=parent,
                                                 store_raw=(raw_planes or {}).get(key, ()))
-            if keep:
-                views, off = [], 0
-                for t in g.tensors:
-                    n = t.numel()
-                    views.append(words[off:off + n].view(t.dtype).view(t.shape))
-                    off += n
-                out[key] = GroupWords(words, tuple(views))
+            out[key] = words
         self._groups.clear()
         return out
 

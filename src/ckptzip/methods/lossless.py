@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..codec import bytegroup
@@ -30,7 +31,7 @@ from ..parallel import thread_map
 from ..state import FlatState, TensorRecord
 from ..tensorbytes import BITS_DTYPE, tensor_from_bytes, to_numpy_bits
 from .base import DecodeContext, EncodeContext, Encoded, Method, Reference, register
-from .groups import GROUP_BELOW, GroupWords, GroupWriter, group_words
+from .groups import GROUP_BELOW, GroupWriter, group_key, group_words
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,61 @@ class LosslessConfig:
 
 
 @dataclass(frozen=True)
+class GroupWords:
+    """A group blob's words before compression (its records' bits, in record order, unsigned ints) and
+    those records' names, dtypes and shapes: the next delta XORs a group of the same records with
+    ``words`` whole, and reads a record's parent bits as a view of them."""
+
+    words: np.ndarray
+    names: tuple[str, ...]
+    specs: tuple[tuple[torch.dtype, torch.Size], ...]
+
+    def tensor(self, i: int, offset: int) -> torch.Tensor:
+        dtype, shape = self.specs[i]
+        t = torch.from_numpy(self.words[offset:offset + shape.numel()])
+        return t.view(dtype).view(shape)
+
+
+class _EncoderTensors(Mapping):
+    """An encoder's reference tensors by record name: its own copies of the large records, the small
+    ones views of their group's words, made when asked for (a steady-state delta asks for none)."""
+
+    def __init__(self, names: list[str], own: dict[str, torch.Tensor], groups: dict[str, GroupWords]):
+        self._names, self._own = names, own
+        self._grouped = {}
+        for g in groups.values():
+            off = 0
+            for i, (n, (_, shape)) in enumerate(zip(g.names, g.specs)):
+                self._grouped[n] = (g, i, off)
+                off += shape.numel()
+
+    def spec(self, name: str) -> tuple[torch.dtype, torch.Size] | None:
+        """The record's dtype and shape, without making its view."""
+        t = self._own.get(name)
+        if t is not None:
+            return t.dtype, t.shape
+        g = self._grouped.get(name)
+        return g[0].specs[g[1]] if g is not None else None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._own.get(name)
+        if t is not None:
+            return t
+        g, i, off = self._grouped[name]
+        return g.tensor(i, off)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+@dataclass(frozen=True)
 class LosslessReference(Reference):
     """The previous checkpoint's exact tensors (CPU), XOR-ed against by the next delta. An encoder's
-    reference also keeps its group blobs' words (``groups``: the small records' tensors in ``exact``
-    are views of them, XORed whole) and which planes of each blob were stored raw (``raw_planes``,
-    by record or group key: the next delta stores those raw untried)."""
+    reference also keeps its group blobs' words (``groups``) and which planes of each delta blob
+    were stored raw (``raw_planes``, by record or group key: the next delta stores those raw untried)."""
 
     exact: Mapping[str, torch.Tensor]
     groups: Mapping[str, GroupWords] = field(default_factory=dict)
@@ -54,6 +105,12 @@ class LosslessReference(Reference):
 
     def tensors(self) -> Iterator[torch.Tensor]:
         return iter(self.exact.values())
+
+    def spec(self, name: str) -> tuple[torch.dtype, torch.Size] | None:
+        if isinstance(self.exact, _EncoderTensors):
+            return self.exact.spec(name)
+        t = self.exact.get(name)
+        return None if t is None else (t.dtype, t.shape)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -67,6 +124,14 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     if not t.is_cpu:
         t = t.cpu()
     return t if t.is_contiguous() else t.contiguous()
+
+
+def _skip_next(blob: bytes, skipped: tuple[int, ...]) -> tuple[int, ...]:
+    """The planes the next delta of this blob stores raw untried: those zstd was tried on here and
+    could not shrink (the low mantissa bytes of an XOR delta are near-random). A plane skipped here
+    is tried again next time: skipping it for good lost 0.4 % of the ratio on the GPT chain of
+    bench/speed.py, trying every other time 0.1 %. A keyframe's planes predict nothing of a delta's."""
+    return tuple(i for i in bytegroup.raw_planes(blob) if i not in skipped)
 
 
 _PLAIN = [S.LOSSLESS.descriptor]
@@ -84,46 +149,53 @@ class LosslessMethod(Method):
 
     def encode(self, state: FlatState, reference: Reference | None, *, ctx: EncodeContext) -> tuple[Encoded, Reference]:
         prev = reference if isinstance(reference, LosslessReference) else None
-        pexact = prev.exact if prev is not None else {}
-        praw = prev.raw_planes if prev is not None else {}
         enc = Encoded(keyframe=prev is None)
         level = self.config.zstd_level
+        praw = prev.raw_planes if prev is not None else {}
 
         def one(item):  # XOR, byte planes and zstd of one tensor (threads: none of it holds the GIL)
-            name, t, p = item
+            name, t, xor = item
+            p = prev.exact[name] if xor else None
             data = bytegroup.compress(to_numpy_bits(t), t.element_size(), float_bits=t.is_floating_point(),
                                       level=level, prev=None if p is None else to_numpy_bits(p),
-                                      store_raw=() if p is None else praw.get(name, ()))
+                                      store_raw=praw.get(name, ()) if xor else ())
             return data, t.clone()
 
-        metas, large, groups, members = {}, [], GroupWriter(level), {}
-        for name in state.records:  # one pass: the parent each record is XORed with, its own blob or a group's
+        large, members = [], {}  # members: group key -> [(name, tensor, xor)] in record order
+        for name in state.records:  # one pass: each record's parent (same dtype and shape), its blob or group
             t = _host(state.tensors[name])
-            p = pexact.get(name)
-            if p is not None and not (p.dtype == t.dtype and p.shape == t.shape and t.numel() > 0):
-                p = None
+            ps = prev.spec(name) if prev is not None else None
+            xor = ps is not None and ps[0] == t.dtype and ps[1] == t.shape and t.numel() > 0
             if t.numel() * t.element_size() < self.group_below:
-                meta = groups.add(t, p)
-                metas[name] = (_PLAIN if p is None else _XOR) + _GROUPED, meta
-                members.setdefault(meta["group"][0], []).append(name)
+                members.setdefault(group_key(t), []).append((name, t, xor))
             else:
-                metas[name] = (_PLAIN if p is None else _XOR) + _OWN, None
-                large.append((name, t, p))
-        kept = groups.flush(enc, prev=prev.groups if prev is not None else None, keep=True,
-                            raw_planes=praw if not enc.keyframe else None)
+                large.append((name, t, xor))
+        whole = {}  # a group of the same records as the parent's group: XORed with its words whole
+        for key, items in members.items():
+            pg = prev.groups.get(key) if prev is not None else None
+            if pg is not None and all(x for _, _, x in items) and pg.names == tuple(n for n, _, _ in items):
+                whole[key] = pg.words
+        groups, metas = GroupWriter(level), {}
+        for key, items in members.items():
+            for name, t, xor in items:
+                metas[name] = groups.add(t, prev.exact[name] if xor and key not in whole else None)
+        words = groups.flush(enc, prev=whole, raw_planes=praw if prev is not None else None)
+        kept = {key: GroupWords(words[key], tuple(n for n, _, _ in items),
+                                tuple((t.dtype, t.shape) for _, t, _ in items)) for key, items in members.items()}
         coded = dict(zip((n for n, _, _ in large), thread_map(one, large)))
-        ref = {n: v for key, g in kept.items() for n, v in zip(members[key], g.views)}
-        # which planes of a delta's blobs did not shrink (a keyframe's planes predict nothing of a delta's)
-        raw_planes = {} if enc.keyframe else {k: bytegroup.raw_planes(enc.blobs[k]) for k in kept}
-        for name, (pipeline, meta) in metas.items():  # records in the state's order
-            if meta is not None:
-                enc.add(name, pipeline, meta)
+        xored = {n for items in members.values() for n, _, x in items if x} | {n for n, _, x in large if x}
+        raw_planes = {} if prev is None else {k: _skip_next(enc.blobs[k], praw.get(k, ())) for k in kept}
+        own = {}
+        for name in state.records:  # records in the state's order
+            head = _XOR if name in xored else _PLAIN
+            if name in metas:
+                enc.add(name, head + _GROUPED, metas[name])
             else:
-                data, ref[name] = coded[name]
-                if pipeline is not _PLAIN:
-                    raw_planes[name] = bytegroup.raw_planes(data)
-                enc.add(name, pipeline, {}, data=data)
-        return enc, LosslessReference(ctx.step, {n: ref[n] for n in metas}, kept, raw_planes)
+                data, own[name] = coded[name]
+                if name in xored:
+                    raw_planes[name] = _skip_next(data, praw.get(name, ()))
+                enc.add(name, head + _OWN, {}, data=data)
+        return enc, LosslessReference(ctx.step, _EncoderTensors(list(state.records), own, kept), kept, raw_planes)
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
