@@ -247,7 +247,7 @@ def flatten_state(state: dict, model: nn.Module | None = None,
         raise TypeError(f"training state must be a dict, got {type(state).__name__}")
     model_sd = state.get("model") if isinstance(state.get("model"), dict) else None
     opt_sd = state.get("optimizer") if isinstance(state.get("optimizer"), dict) else None
-    ltypes = layer_types(model) if model is not None else {}
+    ltypes = layer_types(model) if model is not None else {}  # filled in by guesses as records come
     pnames = _param_names(model, optimizer)
     link = "live" if pnames else ""
     if not pnames and model_sd is not None and opt_sd is not None:
@@ -259,10 +259,16 @@ def flatten_state(state: dict, model: nn.Module | None = None,
     records: dict[str, TensorRecord] = {}
     seen: dict[tuple, str] = {}  # tied tensors (same storage, offset, shape, strides) are stored once
 
+    def layer(key: str, t: torch.Tensor) -> str:  # a weight's moments and step ask for its layer type again
+        lt = ltypes.get(key)
+        if lt is None:
+            lt = ltypes[key] = _guess_layer(key, t)
+        return lt
+
     def record(path: list, t: torch.Tensor) -> dict:
-        name = "/".join(str(p) for p in path)
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype) \
-            if t.numel() else None
+        name = "/".join(map(str, path))
+        # data_ptr() is the storage's address plus the offset: with shape, strides and dtype, one view
+        key = (t.data_ptr(), t.shape, t.stride(), t.dtype) if t.numel() else None
         if key in seen:
             return {"__t": "alias", "ref": seen[key]}
         if key is not None:
@@ -276,15 +282,14 @@ def flatten_state(state: dict, model: nn.Module | None = None,
             is_param = key in params if params is not None else t.is_floating_point() and not key.endswith(
                 ("running_mean", "running_var"))
             role = "weight" if is_param else "buffer"
-            ltype = ltypes.get(key, _guess_layer(key, t))
+            ltype = layer(key, t)
         elif len(path) == 4 and path[0] == "optimizer" and path[1] == "state":
             role = "step" if path[3] == "step" else str(path[3])
             param = pnames.get(path[2]) if isinstance(path[2], int) else None
             if param is not None:
-                ltype = ltypes.get(param, _guess_layer(param, model_sd[param]) if model_sd and param in model_sd
-                                   else "other")
+                ltype = layer(param, model_sd[param]) if model_sd and param in model_sd else ltypes.get(param, "other")
         records[name] = TensorRecord(name, role, dtype_name(t.dtype), tuple(t.shape), ltype, param)
-        tensors[name] = t.detach()
+        tensors[name] = t.detach() if t.requires_grad else t  # state_dict()s hand out detached tensors
         return {"__t": "tensor", "ref": name}
 
     def walk(obj, path):

@@ -24,9 +24,12 @@ BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 
+_NAMES = {t: name for name, (t, _) in DTYPES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
+    name = _NAMES.get(dtype)
+    if name is None:
         raise UnsupportedStateError(f"tensor dtype {dtype} is not supported; convert it to one of {sorted(DTYPES)}")
     return name
 
