@@ -123,6 +123,8 @@ class CheckpointChain:
 
     def _load_index(self) -> Index:
         raw, version = self.storage.read_versioned(INDEX)
+        if raw is not None and self._index is not None and version == self._index.version:
+            return self._index  # the index this chain object wrote or read last: nothing to parse
         self._index = Index([]) if raw is None else parse(raw, version, self.storage.path(INDEX))
         return self._index
 

@@ -18,6 +18,7 @@ written before, ``sha256`` of the whole file; ``file_matches`` checks whichever 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 
@@ -49,6 +50,13 @@ class Entry:
     @property
     def ratio(self) -> float:
         return self.raw_bytes / self.nbytes if self.nbytes else float("inf")
+
+    @functools.cached_property
+    def _json(self) -> tuple[str, str]:
+        """(canonical JSON, JSON as ``dumps`` indents it in the index): each save rewrites the whole
+        index, so an entry is serialized once, not once per later save."""
+        d = dataclasses.asdict(self)
+        return _canonical(d).decode(), json.dumps(d, indent=1).replace("\n", "\n  ")
 
 
 @dataclass(frozen=True)
@@ -99,10 +107,15 @@ def parse(raw: bytes, version: str | None, where: str) -> Index:
 
 
 def dumps(entries: list[Entry], owner: dict | None) -> bytes:
-    body = [dataclasses.asdict(e) for e in entries]
-    doc = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "entries": body, "sha256": sha256(_canonical(body)),
+    """The index JSON (``json.dumps(doc, indent=1)``, built from each entry's cached serialization)."""
+    canonical = "[" + ",".join(e._json[0] for e in entries) + "]"
+    doc = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "entries": _SLOT, "sha256": sha256(canonical.encode()),
            "owner": owner}
-    return json.dumps(doc, indent=1).encode()
+    body = "[\n  " + ",\n  ".join(e._json[1] for e in entries) + "\n ]" if entries else "[]"
+    return json.dumps(doc, indent=1).replace(json.dumps(_SLOT), body, 1).encode()
+
+
+_SLOT = "\u0000entries\u0000"  # where dumps puts the entries (no JSON string of ours contains a NUL)
 
 
 def _canonical(obj) -> bytes:
