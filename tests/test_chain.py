@@ -467,3 +467,24 @@ def test_orphans_and_gc(small_chain):
     e = chain.save(states[5], step=6)
     assert not e.keyframe and e.parent == 5
     assert_same(states[5], chain.load(6))
+
+
+def test_index_json_is_the_indented_dump_of_its_entries():
+    """dumps builds index.json from each entry's cached serialization: the same bytes as
+    json.dumps of the whole document (what index version 2 files hold), and parse reads them back."""
+    import dataclasses
+
+    from ckptzip.index import Entry, dumps, parse
+
+    entries = [Entry(step=i, file=checkpoint_file(i), parent=i - 1 or None, keyframe=i == 1, method="lossless/1",
+                     nbytes=10 * i, raw_bytes=99, sha256=None, created_unix=1.5 + i, bytes_by_role={"weight": [1, 2]},
+                     summary={"knobs": {"bits": [4, 8]}, "note": "é\n\"x\""}, header_sha256="ab" * 32)
+               for i in range(1, 4)]
+    for n in range(4):
+        for owner in (None, {"pid": 3, "host": "h", "gen": [1, {"x": None}]}):
+            body = [dataclasses.asdict(e) for e in entries[:n]]
+            doc = {"format": "ckptzip-chain", "version": 2, "entries": body,
+                   "sha256": sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()), "owner": owner}
+            raw = dumps(entries[:n], owner)
+            assert raw == json.dumps(doc, indent=1).encode()
+            assert parse(raw, None, "index.json").entries == entries[:n]

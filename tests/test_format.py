@@ -343,3 +343,14 @@ def test_fuzz_reader_only_typed_errors(real_container):
         assert c.blobs == decode_container(src).blobs
         outcomes["ok"] += 1
     assert outcomes["typed"] > 1900
+
+
+def test_manifest_packed_at_either_level_reads_back():
+    """A manifest over 4 KiB is packed: at zstd-9 where it is a large share of the file, at zstd-1
+    where the blobs dwarf it; the reader reads both (it never knows the level)."""
+    manifest = {"records": {f"model/layer{i}.weight": {"role": "weight", "shape": [i, 3]} for i in range(300)}}
+    rng = np.random.default_rng(0)
+    for blob_bytes in (1000, 1 << 21):
+        data = encode_container(manifest, {"a": rng.integers(0, 256, blob_bytes, dtype=np.uint8).tobytes()})
+        assert b"zstd+b64:" in data[:4096]
+        assert read_manifest(data)["records"] == manifest["records"]

@@ -2,6 +2,7 @@
 bit-exact for every dtype and special value, the XOR delta path on real training deltas, and
 corrupt blobs raise CorruptCheckpointError (never another exception).
 """
+import dataclasses
 import struct
 
 import numpy as np
@@ -217,6 +218,55 @@ def test_bf16_copy_of_a_real_run_exact(digits_snapshots):
         assert all(bits_equal(tensors[n], t) for n, t in flat.tensors.items())
 
 
+def test_small_records_of_one_width_and_mixed_dtypes_round_trip():
+    """fp16 and bf16, int8, uint8 and bool small records share a group blob: their words are joined as
+    integers (numpy promoted the values to a wider type before, and they were restored wrong), in
+    lossless and in a quantizing method's exact groups, keyframe and deltas."""
+    from ckptzip.chain import CheckpointChain
+
+    g = torch.Generator().manual_seed(0)
+
+    def state(k):
+        return {"model": {"h": torch.randn(50, generator=g).half(), "b": torch.randn(50, generator=g).bfloat16(),
+                          "i": torch.randint(-100, 100, (30,), generator=g, dtype=torch.int8),
+                          "u": torch.randint(0, 255, (30,), generator=g, dtype=torch.uint8),
+                          "m": torch.rand(30, generator=g) > 0.5, "k": torch.tensor(k)}}
+
+    states = [state(k) for k in range(3)]
+    for method in ("lossless", "dynaquant"):
+        url = f"memory://mixed-widths-{method}"
+        ch = CheckpointChain(url, method)
+        for i, s in enumerate(states):
+            ch.save(s, i + 1)
+        for i, s in enumerate(states):
+            out = CheckpointChain(url).load(i + 1)["model"]
+            assert all(bits_equal(out[k], v) for k, v in s["model"].items()), (method, i)
+
+
+def test_writer_reference_gives_the_delta_a_decoded_reference_gives(digits_snapshots):
+    """A writer XORs each group blob with its parent group's words whole; a reference decoded from
+    the files (a restart) XORs record by record: the same blobs. A plane of a delta that did not
+    shrink is stored raw untried in the next delta and tried again in the one after."""
+    _, _, snaps, _ = digits_snapshots
+    m = LosslessMethod()
+    flats = [flatten_state({"model": s.model, "optimizer": s.optimizer}) for s in snaps[:5]]
+    ref = dref = None
+    skipped = 0
+    for i, flat in enumerate(flats):
+        enc, new = m.encode(flat, ref, ctx=EncodeContext(step=i))
+        if dref is not None:
+            twin, _ = m.encode(flat, dataclasses.replace(dref, raw_planes=ref.raw_planes), ctx=EncodeContext(step=i))
+            assert twin.blobs == enc.blobs and twin.records == enc.records
+            for k, planes in new.raw_planes.items():  # tried-and-raw planes only: a skipped one is retried next
+                assert not set(planes) & set(ref.raw_planes.get(k, ())), k
+                skipped += len(ref.raw_planes.get(k, ()))
+        tensors, dref = m.decode(flat.records, enc, dref, ctx=DecodeContext(step=i))
+        assert all(bits_equal(tensors[n], t) for n, t in flat.tensors.items())
+        assert all(bits_equal(new.exact[n], t) for n, t in flat.tensors.items())  # incl. views of group words
+        ref = new
+    assert skipped > 0
+
+
 def test_descriptor_and_registry():
     m = get_method("lossless", {"zstd_level": 5})
     assert isinstance(m, LosslessMethod) and m.descriptor == "lossless/1" and m.config.zstd_level == 5
@@ -270,6 +320,21 @@ def test_bytegroup_groups_planes_msb_first_and_stores_incompressible_raw():
     assert lens[0] < 100 and lens[1] == 4096 | (1 << 31)
     assert blob[-4096:] == words.astype("<u2").view(np.uint8)[0::2].tobytes()  # raw low bytes, in order
     assert bytegroup.decompress(blob) == words.tobytes()
+
+
+def test_bytegroup_blobs_outlive_the_planes_buffer_and_store_raw_untried():
+    """Planes are split into one reused buffer per thread: a blob's raw planes are copied out of it, so
+    an earlier blob still decodes after later calls; ``store_raw`` planes are raw without a try."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.integers(0, 2**32, 1000, dtype=np.uint32).tobytes() for _ in range(2))
+    blob_a = bytegroup.compress(a, 4)
+    assert bytegroup.raw_planes(blob_a) == (0, 1, 2, 3)
+    bytegroup.compress(b, 4)
+    assert bytegroup.decompress(blob_a) == a
+    zeros = bytes(4000)
+    blob = bytegroup.compress(zeros, 4, store_raw=(0, 2))
+    assert bytegroup.raw_planes(blob) == (0, 2) and bytegroup.decompress(blob) == zeros
+    assert bytegroup.raw_planes(bytegroup.compress(zeros, 4)) == ()
 
 
 def test_bytegroup_rotation_puts_exponent_in_top_plane():
