@@ -426,3 +426,29 @@ def test_bytegroup_kernels_equal_the_numpy_reference(width, dtype):
     # the fused XOR writes what XOR-then-compress wrote
     raw, old = words.tobytes(), prev.tobytes()
     assert bytegroup.compress(raw, width, prev=old) == bytegroup.compress((words ^ prev).tobytes(), width)
+    # advance: the parent's words become the new words in the same pass, the planes unchanged
+    for backend in ("numba", "numpy"):
+        p = prev.copy()
+        planes = bytegroup.split_planes(words, True, p, backend=backend, advance=True)
+        assert np.array_equal(planes, bytegroup.split_planes(words, True, prev, backend="numpy"))
+        assert np.array_equal(p, words)
+
+
+def test_spent_writer_reference_is_advanced_in_place(digits_snapshots):
+    """A writer whose reference is spent (CheckpointChain.save) overwrites the parent's copies of its
+    large records with the new bits instead of copying the state: the same blobs, and the next
+    delta codes against the right parent."""
+    _, _, snaps, _ = digits_snapshots
+    flats = [flatten_state({"model": s.model, "optimizer": s.optimizer}) for s in snaps[:4]]
+    m = LosslessMethod()
+    ref = spent = None
+    for i, flat in enumerate(flats):
+        enc, ref_next = m.encode(flat, ref, ctx=EncodeContext(step=i))
+        enc2, spent_next = m.encode(flat, spent, ctx=EncodeContext(step=i, reference_spent=True))
+        assert enc2.blobs == enc.blobs
+        large = [n for n in flat.records if "group/1" not in enc.records[n]["pipeline"]]
+        assert large and all(bits_equal(spent_next.exact[n], flat.tensors[n]) for n in flat.records)
+        if i:
+            assert all(spent_next.exact[n] is spent.exact[n] for n in large)  # advanced, not copied
+            assert all(flat.tensors[n] is not spent_next.exact[n] for n in large)
+        ref, spent = ref_next, spent_next

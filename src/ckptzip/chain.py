@@ -169,8 +169,8 @@ class CheckpointChain:
                 raise StepOrderError(f"step {step} is not after the chain's latest step {entries[-1].step}; "
                                  "save increasing steps (or start a new chain, or truncate this one)")
             ctx = ctx or EncodeContext(step=step, model=model)
-            if ctx.step != step or ctx.base is not self.base:
-                ctx = dataclasses.replace(ctx, step=step, base=self.base)
+            # the reference is replaced by the new one, or forgotten on failure: the method may reuse it
+            ctx = dataclasses.replace(ctx, step=step, base=self.base, reference_spent=True)
             if base.version != self._ref_version:
                 self.forget_reference()  # another writer (or chain object) committed since: rebuild it
             fname = None

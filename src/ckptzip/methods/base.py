@@ -97,6 +97,8 @@ class EncodeContext:
     search: dict | None = None                    # a config search already run elsewhere (async saves:
                                                   # the trainer's search thread): {"knobs", "info", "state"}
     base: object | None = None                    # basestate.BaseWeights: keyframes as residuals against it
+    reference_spent: bool = False                 # the caller drops the reference after this call: a method
+                                                  # may write the next one into its buffers (CheckpointChain)
 
 
 @dataclass(kw_only=True)

@@ -71,6 +71,10 @@ class _EncoderTensors(Mapping):
                 self._grouped[n] = (g, i, off)
                 off += shape.numel()
 
+    def owns(self, name: str) -> bool:
+        """Whether the record is one of the large records' copies (not a view of group words)."""
+        return name in self._own
+
     def spec(self, name: str) -> tuple[torch.dtype, torch.Size] | None:
         """The record's dtype and shape, without making its view."""
         t = self._own.get(name)
@@ -153,13 +157,18 @@ class LosslessMethod(Method):
         level = self.config.zstd_level
         praw = prev.raw_planes if prev is not None else {}
 
+        # a spent writer's reference holds its own copies of the large records: the new bits overwrite
+        # the parent's in the pass that XORs them (no copy of the state per save)
+        reuse = ctx.reference_spent and prev is not None and isinstance(prev.exact, _EncoderTensors)
+
         def one(item):  # XOR, byte planes and zstd of one tensor (threads: none of it holds the GIL)
             name, t, xor = item
             p = prev.exact[name] if xor else None
+            advance = reuse and xor and prev.exact.owns(name)
             data = bytegroup.compress(to_numpy_bits(t), t.element_size(), float_bits=t.is_floating_point(),
                                       level=level, prev=None if p is None else to_numpy_bits(p),
-                                      store_raw=praw.get(name, ()) if xor else ())
-            return data, t.clone()
+                                      store_raw=praw.get(name, ()) if xor else (), advance=advance)
+            return data, p if advance else t.clone()
 
         large, members = [], {}  # members: group key -> [(name, tensor, xor)] in record order
         for name in state.records:  # one pass: each record's parent (same dtype and shape), its blob or group
