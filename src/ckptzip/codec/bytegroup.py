@@ -51,13 +51,14 @@ def split_planes(words: np.ndarray, rotate: bool, prev: np.ndarray | None = None
                  backend: str = "auto", out: np.ndarray | None = None, advance: bool = False) -> np.ndarray:
     """(width, n) uint8 byte planes, most significant first, of ``words`` (uint, native order),
     XORed with ``prev`` first when given, each rotated left by one bit when ``rotate``; into
-    ``out`` when given (numba backend). ``advance``: ``prev`` is overwritten with ``words`` in the
-    same pass (a caller that keeps the words as its next reference saves a copy)."""
+    ``out`` when given (numba backend). ``advance``: ``prev`` is then overwritten with ``words`` (a
+    caller that keeps the words as its next reference copies them into memory it holds already)."""
     width = words.dtype.itemsize
     if _use_numba(backend):
         out = np.empty((width, words.size), dtype=np.uint8) if out is None else out
-        keep = prev if advance and prev is not None else np.empty(0, dtype=words.dtype)  # writable either way
-        _split_kernel(words, prev if prev is not None else words[:0], rotate, keep, out)
+        _split_kernel(words, prev if prev is not None else words[:0], rotate, out)
+        if advance and prev is not None:
+            prev[...] = words  # no allocation (a store fused into the kernel slowed it 2x)
         return out
     if prev is not None:
         x = words ^ prev
@@ -86,8 +87,8 @@ def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, le
     with first (what a delta against the previous checkpoint stores), in the same pass; ``plane``:
     frames tuned for byte planes (False: zstd's plain ``level``); ``store_raw``: plane indices stored raw
     without trying zstd (a caller's prediction, e.g. the parent's same plane did not shrink: the
-    low mantissa planes of an XOR delta are near-random); ``advance``: ``prev`` (writable) is overwritten
-    with ``raw``'s words in the same pass."""
+    low mantissa planes of an XOR delta are near-random); ``advance``: ``prev`` (writable) is then
+    overwritten with ``raw``'s words."""
     raw = memoryview(raw).cast("B")
     if width not in _UINT or len(raw) % width:
         raise ValueError(f"byte grouping needs a width in {sorted(_UINT)} dividing the data, got {width}")
@@ -188,18 +189,15 @@ if _numba is not None:
         return ((w << np.uint64(1)) | (w >> top)) & mask if rotate else w
 
     @_numba.njit(cache=True, nogil=True)
-    def _split_kernel(words, prev, rotate, keep, out):  # pragma: no cover - compiled (keep: a copy of words, or empty)
+    def _split_kernel(words, prev, rotate, out):  # pragma: no cover - compiled
         width = out.shape[0]
         top = np.uint64(8 * width - 1)
         mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
         xor = prev.shape[0] == words.shape[0]
         n = words.shape[0]
-        advance = keep.shape[0] == n
         if width == 4:  # float32: the common case, four explicit stores per word
             for i in range(n):
                 w = _prep(words[i], prev[i] if xor else words[i], xor, rotate, top, mask)
-                if advance:
-                    keep[i] = words[i]
                 out[0, i] = np.uint8(w >> np.uint64(24))
                 out[1, i] = np.uint8((w >> np.uint64(16)) & np.uint64(0xFF))
                 out[2, i] = np.uint8((w >> np.uint64(8)) & np.uint64(0xFF))
@@ -207,15 +205,11 @@ if _numba is not None:
         elif width == 2:
             for i in range(n):
                 w = _prep(words[i], prev[i] if xor else words[i], xor, rotate, top, mask)
-                if advance:
-                    keep[i] = words[i]
                 out[0, i] = np.uint8(w >> np.uint64(8))
                 out[1, i] = np.uint8(w & np.uint64(0xFF))
         else:
             for i in range(n):
                 w = _prep(words[i], prev[i] if xor else words[i], xor, rotate, top, mask)
-                if advance:
-                    keep[i] = words[i]
                 for b in range(width):
                     out[width - 1 - b, i] = np.uint8((w >> np.uint64(8 * b)) & np.uint64(0xFF))
 

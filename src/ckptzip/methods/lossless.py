@@ -158,7 +158,7 @@ class LosslessMethod(Method):
         praw = prev.raw_planes if prev is not None else {}
 
         # a spent writer's reference holds its own copies of the large records: the new bits overwrite
-        # the parent's in the pass that XORs them (no copy of the state per save)
+        # the parent's once XORed (a fresh copy of the state per save cost its allocation and page faults)
         reuse = ctx.reference_spent and prev is not None and isinstance(prev.exact, _EncoderTensors)
 
         def one(item):  # XOR, byte planes and zstd of one tensor (threads: none of it holds the GIL)
