@@ -449,30 +449,32 @@ def _short_list(xs: list[int], n: int = 8) -> str:
         ", ".join(map(str, xs[-3:]))
 
 
+_ROLES = frozenset(("weight", "exp_avg", "exp_avg_sq", "momentum_buffer"))
+
+
 def _bytes_by_role(flat: FlatState, enc: Encoded) -> dict:
-    # a group blob (lossless's small records, ``meta.group``) is split over its records by their
-    # words; a blob no record claims that way (ExCP's payload) counts as "shared"
-    members: dict[str, list[tuple[str, int]]] = {}
-    for name in flat.records:
-        g = enc.records[name].get("meta", {}).get("group")
-        if isinstance(g, list) and len(g) == 3 and g[0] in enc.blobs:
-            members.setdefault(g[0], []).append((name, int(g[2])))
-    grouped: dict[str, float] = {}
-    for key, ms in members.items():
-        words = sum(n for _, n in ms) or 1
-        for name, n in ms:
-            grouped[name] = len(enc.blobs[key]) * n / words
-    out: dict[str, list[int]] = {}
+    # a group blob (small records, ``meta.group``) is split over its records by their words; a blob
+    # no record claims that way (ExCP's payload) counts as "shared"
+    blobs, out, words, members = enc.blobs, {}, {}, {}
     for name, rec in flat.records.items():
+        r = enc.records[name]
         t = flat.tensors[name]
-        stored = sum(len(enc.blobs[k]) for k in enc.records[name]["blobs"].values()) + grouped.get(name, 0.0)
-        role = rec.role if rec.role in ("weight", "exp_avg", "exp_avg_sq", "momentum_buffer") else "other"
-        acc = out.setdefault(role, [0, 0])
+        acc = out.get(rec.role if rec.role in _ROLES else "other")
+        if acc is None:
+            acc = out[rec.role if rec.role in _ROLES else "other"] = [0, 0.0]
         acc[0] += t.numel() * t.element_size()
-        acc[1] += stored
+        for k in r["blobs"].values():
+            acc[1] += len(blobs[k])
+        g = r["meta"].get("group") if r["meta"] else None
+        if isinstance(g, list) and len(g) == 3 and g[0] in blobs:
+            words[g[0]] = words.get(g[0], 0) + int(g[2])
+            members.setdefault(g[0], []).append((acc, int(g[2])))
+    for key, ms in members.items():
+        for acc, n in ms:
+            acc[1] += len(blobs[key]) * n / (words[key] or 1)
     for acc in out.values():
         acc[1] = round(acc[1])
-    shared = sum(len(b) for k, b in enc.blobs.items() if not k[:1].isdigit() and k not in members)
+    shared = sum(len(b) for k, b in blobs.items() if not k[:1].isdigit() and k not in members)
     if shared:
         out.setdefault("shared", [0, 0])[1] += shared
     return out
