@@ -488,3 +488,33 @@ def test_index_json_is_the_indented_dump_of_its_entries():
             raw = dumps(entries[:n], owner)
             assert raw == json.dumps(doc, indent=1).encode()
             assert parse(raw, None, "index.json").entries == entries[:n]
+
+
+def test_crc32_blob_checksums_are_format_2_and_catch_a_flipped_byte(tmp_path, digits_snapshots, monkeypatch):
+    """checksum="crc32": blobs checked by CRC-32 (format version 2, which a reader of version 1
+    refuses by name); the files restore exactly, and a byte flipped in a blob is found and named.
+    Files with SHA-256 (the default) stay version 1, byte for byte as before (the golden tests)."""
+    import ckptzip.format as fmt
+    from ckptzip.errors import FormatVersionError
+
+    _, _, snaps, _ = digits_snapshots
+    states = digits_states(snaps)[:3]
+    chain = CheckpointChain(tmp_path, "lossless", checksum="crc32")
+    for step, state in states:
+        chain.save(state, step=step)
+    manifest = chain.manifest(states[1][0])
+    assert manifest["format_version"] == 2 and all(set(b) == {"nbytes", "crc32"} for b in manifest["blobs"].values())
+    reader = CheckpointChain(tmp_path)
+    for step, state in states:
+        assert_same(state, reader.load(step))
+    assert reader.verify() == []
+    path = tmp_path / checkpoint_file(states[1][0])
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01  # in the last blob
+    with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
+        fmt.decode_container(bytes(data))
+    monkeypatch.setattr(fmt, "NEWEST_VERSION", 1)  # a reader from before issue 15
+    with pytest.raises(FormatVersionError, match="format version 2"):
+        fmt.decode_container(path.read_bytes())
+    with pytest.raises(ValueError, match="checksum"):
+        CheckpointChain(tmp_path / "x", "lossless", checksum="md5")

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from .codec.stages import check_pipeline
-from .configcheck import Range, check_args
+from .configcheck import OneOf, Range, check_args
 from .errors import (ChainBusyError, CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError,
                      StepOrderError, StorageError, WriteConflictError, malformed)
-from .format import container_payload, decode_container, header_sha256, read_manifest
+from .format import CHECKSUMS, container_payload, decode_container, header_sha256, read_manifest
 from .index import INDEX, Entry, Index, checkpoint_file, dumps, file_matches, parse, replay_path
 from .lease import Lease
 from .methods.base import DecodeContext, EncodeContext, Encoded, Method, Reference, get_method, method_for_file
@@ -60,7 +60,7 @@ class Restored:
 
 CHAIN_ARGS = {"keyframe": (KeyframePolicy | None, None), "retention": (RetentionPolicy | None, None),
               "storage_options": (dict | None, None), "takeover": (bool, None), "lease_s": (float, Range(gt=0)),
-              "retry": (RetryPolicy | None, None)}
+              "retry": (RetryPolicy | None, None), "checksum": (str, OneOf(tuple(CHECKSUMS)))}
 
 
 class CheckpointChain:
@@ -72,24 +72,28 @@ class CheckpointChain:
 
     ``takeover=True`` lets this writer fence a live owner of the chain (a stuck or preempted job
     still running) instead of raising ChainBusyError; ``lease_s`` is how long after its last
-    commit an owner on another machine counts as live; ``retry`` bounds retries of storage calls.
+    commit an owner on another machine counts as live; ``retry`` bounds retries of storage calls;
+    ``checksum`` is each blob's checksum in the files written: ``"sha256"`` (default) or ``"crc32"``
+    (3x faster to compute, against accidental corruption only; docs/FORMAT.md section 1.4).
     """
 
     def __init__(self, url, method: str | Method = "lossless", config=None, *,
                  keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
                  storage_options: dict | None = None, takeover: bool = False, lease_s: float = 600.0,
-                 retry: RetryPolicy | None = None, base=None):
+                 retry: RetryPolicy | None = None, base=None, checksum: str = "sha256"):
         from .basestate import BaseWeights
         from .storage import Storage
 
         check_args("CheckpointChain", CHAIN_ARGS, keyframe=keyframe, retention=retention,
-                   storage_options=storage_options, takeover=takeover, lease_s=lease_s, retry=retry)
+                   storage_options=storage_options, takeover=takeover, lease_s=lease_s, retry=retry,
+                   checksum=checksum)
         self.storage = Storage(url, storage_options, retry=retry)
         self.url = str(url)
         self.method = method if isinstance(method, Method) else get_method(method, config)
         self.keyframe = keyframe or KeyframePolicy()
         self.retention = retention or RetentionPolicy()
         self.base = BaseWeights.of(base)  # keyframes coded against it, and restores need it (basestate.py)
+        self.checksum = checksum          # of each blob in the files it writes (format.py; readers take both)
         self._lease = Lease(self.url, takeover=takeover, lease_s=lease_s)
         self._index: Index | None = None
         self._ref: Reference | None = None          # what the next save encodes against
@@ -185,7 +189,7 @@ class CheckpointChain:
                     raise RuntimeError(f"method {self.method.name} left records unencoded: {sorted(missing)[:5]}")
                 parent = None if enc.keyframe else ref.step
                 manifest = self._manifest(flat, enc, step, parent)
-                data = container_payload(manifest, enc.blobs)  # streamed into the write, never joined
+                data = container_payload(manifest, enc.blobs, checksum=self.checksum)  # streamed, never joined
                 self.storage.makedirs()
                 fname = self._create_file(step, data)
                 entry = Entry(step=step, file=fname, parent=parent, keyframe=enc.keyframe, method=self.method.descriptor,

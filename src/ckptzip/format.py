@@ -9,7 +9,8 @@ and ``__metadata__`` holds three strings: ``ckptzip.format`` (the format version
 (the manifest JSON; above 4 KiB stored as ``zstd+b64:`` + base64 of its zstd frame, since per-record
 metadata reaches ~15 % of a small delta: level 9 where the manifest is over 1/16 of the blobs' bytes,
 else level 1, 8x faster and ~7 % larger, a few hundred bytes of a file of megabytes) and ``ckptzip.sha256`` (SHA-256 of that stored string). The manifest lists a
-SHA-256 per blob. We write the bytes ourselves so the header is canonical (sorted keys, compact
+SHA-256 per blob (``checksum="crc32"``: a CRC-32 instead, 3x faster to compute, against accidental
+corruption only; such files are format version 2, which older readers refuse by name). We write the bytes ourselves so the header is canonical (sorted keys, compact
 separators): the reader re-derives it and compares, so any flipped byte anywhere is detected --
 including whitespace that JSON would otherwise ignore. Stock safetensors readers open the files.
 Nothing here ever unpickles.
@@ -20,13 +21,16 @@ import base64
 import hashlib
 import json
 import struct
+import zlib
 from dataclasses import dataclass
 
 from .codec.frames import zstd_compress, zstd_decompress
 from .errors import CorruptCheckpointError, FormatVersionError
 from .payload import Payload
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1                     # the version written (with the default checksum)
+CHECKSUMS = {"sha256": 1, "crc32": 2}  # a blob checksum -> the format version of the files that use it
+NEWEST_VERSION = max(CHECKSUMS.values())  # the newest version this reader reads
 MAGIC_KEY = "ckptzip.format"
 _MAX_HEADER = 256 * 1024 * 1024  # a header this large is not ours: refuse before allocating
 _PACKED = "zstd+b64:"              # prefix of a compressed manifest (JSON text starts with "{")
@@ -44,6 +48,16 @@ def sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _digest(kind: str, data: bytes | memoryview) -> str:
+    return sha256(data) if kind == "sha256" else f"{zlib.crc32(data):08x}"
+
+
+def blob_matches(entry: dict, data: bytes | memoryview) -> bool:
+    """Whether ``data`` is the blob its blob table ``entry`` describes (by its SHA-256 or CRC-32)."""
+    kind = "sha256" if "sha256" in entry else "crc32"
+    return entry.get(kind) == _digest(kind, data)
+
+
 def header_sha256(data: bytes | memoryview | Payload) -> str:
     """The container's *digest*: SHA-256 of its length prefix and header. The header holds the
     manifest, which holds every blob's SHA-256, so the digest pins every byte (a hash tree) with
@@ -57,8 +71,8 @@ def _dumps(obj) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
-def _header_bytes(manifest_str: str, sizes: list[tuple[str, int]]) -> bytes:
-    header: dict = {"__metadata__": {MAGIC_KEY: str(FORMAT_VERSION), "ckptzip.manifest": manifest_str,
+def _header_bytes(manifest_str: str, sizes: list[tuple[str, int]], version: int = 1) -> bytes:
+    header: dict = {"__metadata__": {MAGIC_KEY: str(version), "ckptzip.manifest": manifest_str,
                                      "ckptzip.sha256": sha256(manifest_str.encode())}}
     off = 0
     for key, n in sizes:
@@ -68,26 +82,27 @@ def _header_bytes(manifest_str: str, sizes: list[tuple[str, int]]) -> bytes:
     return raw + b" " * (-len(raw) % 8)  # safetensors pads the header with spaces to 8 bytes
 
 
-def container_payload(manifest: dict, blobs: dict[str, bytes]) -> Payload:
+def container_payload(manifest: dict, blobs: dict[str, bytes], *, checksum: str = "sha256") -> Payload:
     """A manifest and its blobs as the container's parts (header, then blobs by key); blob
-    checksums are added to the manifest here. ``bytes()`` of it is :func:`encode_container`."""
+    checksums (``checksum``: a name in CHECKSUMS) are added to the manifest here. ``bytes()`` of it
+    is :func:`encode_container`."""
     manifest = dict(manifest)
-    manifest["format_version"] = FORMAT_VERSION
+    version = manifest["format_version"] = CHECKSUMS[checksum]
     keys = sorted(blobs)
-    manifest["blobs"] = {k: {"nbytes": len(blobs[k]), "sha256": sha256(blobs[k])} for k in keys}
+    manifest["blobs"] = {k: {"nbytes": len(blobs[k]), checksum: _digest(checksum, blobs[k])} for k in keys}
     # the manifest keeps insertion order (no sort_keys): the skeleton's dict order is the state's key
     # order (state_dict order, which param-link inference relies on); the reader uses the string verbatim
     mstr = json.dumps(manifest, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     if len(mstr) > _PACK_ABOVE:
         level = 9 if len(mstr) * _SMALL_SHARE > sum(len(b) for b in blobs.values()) else 1
         mstr = _PACKED + base64.b64encode(zstd_compress(mstr.encode(), level)).decode()
-    header = _header_bytes(mstr, [(k, len(blobs[k])) for k in keys])
+    header = _header_bytes(mstr, [(k, len(blobs[k])) for k in keys], version)
     return Payload([struct.pack("<Q", len(header)) + header, *(blobs[k] for k in keys)])
 
 
-def encode_container(manifest: dict, blobs: dict[str, bytes]) -> bytes:
+def encode_container(manifest: dict, blobs: dict[str, bytes], *, checksum: str = "sha256") -> bytes:
     """Serialize a manifest and its blobs into one buffer (the joined :func:`container_payload`)."""
-    return bytes(container_payload(manifest, blobs))
+    return bytes(container_payload(manifest, blobs, checksum=checksum))
 
 
 def decode_container(data: bytes | memoryview, *, name: str = "checkpoint", verify_blobs: bool = True) -> Container:
@@ -115,9 +130,11 @@ def decode_container(data: bytes | memoryview, *, name: str = "checkpoint", veri
         version = int(meta[MAGIC_KEY])
     except (TypeError, ValueError, OverflowError):  # JSON admits Infinity, which int() refuses
         raise bad(f"format version {meta[MAGIC_KEY]!r} is not an integer") from None
-    if version > FORMAT_VERSION:
+    if version < 1:
+        raise bad(f"format version {version} was never written")
+    if version > NEWEST_VERSION:
         raise FormatVersionError(f"{name}: written by format version {version}, this ckptzip reads up to "
-                                 f"{FORMAT_VERSION}; upgrade ckptzip")
+                                 f"{NEWEST_VERSION}; upgrade ckptzip")
     mstr = meta.get("ckptzip.manifest")
     if not isinstance(mstr, str) or meta.get("ckptzip.sha256") != sha256(mstr.encode()):
         raise bad("manifest checksum mismatch")
@@ -132,7 +149,7 @@ def decode_container(data: bytes | memoryview, *, name: str = "checkpoint", veri
         sizes = [(k, int(bl[k]["nbytes"])) for k in sorted(bl)]
     except (TypeError, KeyError, ValueError, OverflowError):
         raise bad("malformed blob table") from None
-    if _header_bytes(mstr, sizes) != raw:
+    if _header_bytes(mstr, sizes, version) != raw:
         raise bad("header does not match its manifest (corrupt header bytes)")
     body = data[8 + n:]
     total = sum(s for _, s in sizes)
@@ -143,7 +160,7 @@ def decode_container(data: bytes | memoryview, *, name: str = "checkpoint", veri
     for k, s in sizes:
         chunk = body[off:off + s]
         off += s
-        if verify_blobs and sha256(chunk) != bl[k].get("sha256"):
+        if verify_blobs and not blob_matches(bl[k], chunk):
             raise bad(f"blob {k!r} fails its checksum (record data is corrupt)")
         blobs[k] = bytes(chunk)
     return Container(manifest, blobs)

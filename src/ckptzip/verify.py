@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from .errors import CkptzipError
-from .format import decode_container, sha256
+from .format import blob_matches, decode_container
 from .index import file_matches
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def _damaged_records(data: bytes, step: int, where: str) -> list[Problem]:
             grouped.setdefault(g[0], []).append(n)
     out = []
     for k, blob in c.blobs.items():
-        if sha256(blob) != c.manifest["blobs"][k].get("sha256"):
+        if not blob_matches(c.manifest["blobs"][k], blob):
             names = [owner[k]] if k in owner else grouped.get(k, [])
             what = f"shared blob {k!r}" if not names else f"record {names[0]!r}" + (
                 f" and {len(names) - 1} more record(s) in group blob {k!r}" if len(names) > 1 else "")
