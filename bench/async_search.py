@@ -8,7 +8,11 @@ time" is the loop's time per executed step, save blocking included, over the unc
 minus 1; "drain" is the time spent waiting for queued saves over the training time: at the end,
 and with failures also at each close (which waits for the agent it started: ~1.5 s of imports).
 
+``--paced``: the intervals of ``ckptzip demo --async`` (``demo.run.PACED``: training dominates,
+as in real runs) and its 3 failures, instead of the default demo's intervals and 10.
+
 Run:  .venv/bin/python bench/async_search.py                 (digits and GPT-2; about 6 minutes)
+      .venv/bin/python bench/async_search.py --paced         (about 8 minutes)
       .venv/bin/python bench/async_search.py -w digits
 """
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from ckptzip.demo import faults
 from ckptzip.demo.report import markdown
-from ckptzip.demo.run import workload_for
+from ckptzip.demo.run import PACED_FAILURES, workload_for
 from ckptzip.engine import EngineOptions
 
 COLUMNS = ("workload", "search runs in", "failures", "end-to-end degradation", "ratio (full state)", "ckpt overhead",
@@ -32,13 +36,14 @@ COLUMNS = ("workload", "search runs in", "failures", "end-to-end degradation", "
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-w", "--workload", action="append", choices=("digits", "gpt2"))
+    ap.add_argument("--paced", action="store_true", help="the async demo's save intervals (training dominates)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - EngineOptions().threads))
     rows = []
     for name in args.workload or ["digits", "gpt2"]:
-        wl = workload_for(name, False)
+        wl = workload_for(name, False, args.paced)
         base = faults.run(wl, None)
-        for failures, (where, in_agent) in itertools.product((0, 10), (("trainer thread", False), ("agent", True))):
+        for failures, (where, in_agent) in itertools.product((0, PACED_FAILURES if args.paced else 10), (("trainer thread", False), ("agent", True))):
             t0 = time.perf_counter()
             r = faults.run(wl, "dynaquant", failures=failures, async_save=True, search_in_agent=in_agent)
             rows.append([wl.name, where, str(failures), f"{100 * r.degradation(base):+.2f} %", f"{r.ratio:.1f}x",

@@ -122,3 +122,26 @@ def test_a_bad_agent_eval_is_a_one_line_error(tmp_path):
                                 engine_options=EngineOptions(agent_eval="no_such_module_xyz:make")) as ck:
             ck.save(1).wait()
     assert CheckpointChain(tmp_path / "c").steps() == []  # nothing half-written
+
+
+def test_the_agent_builds_its_evaluator_before_the_first_save(tmp_path):
+    """The agent builds agent_eval's (model, eval_fn) as soon as it is ready, while the trainer trains
+    towards its first save, not when that save arrives (GPT-2's factory imports transformers)."""
+    import time
+
+    from ckptzip.engine import EngineOptions
+
+    marker = tmp_path / "built"
+    factory = tmp_path / "evals.py"
+    factory.write_text("import pathlib\nfrom ckptzip.demo.workloads import digits_eval\n\n"
+                       f"def make():\n    pathlib.Path({str(marker)!r}).write_text('x')\n    return digits_eval()\n")
+    w = digits_workload(total_steps=20, ckpt_every=20)
+    m, opt, sched = w.build(0)
+    with ckptzip.Compressor(m, opt, tmp_path / "c", "dynaquant", threshold=0.05, async_save=True,
+                            engine_options=EngineOptions(agent_eval=f"{factory}:make")) as ck:
+        deadline = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "no save was made, yet the agent should have built its evaluator"
+        ck.save(20).wait()
+    assert CheckpointChain(tmp_path / "c").entry(20).summary["evals"] >= 1

@@ -53,3 +53,19 @@ def test_workload_budget_and_output_fidelity_reach_the_search():
     sums = [c["summary"] for c in r.checkpoints]
     assert sums and all(s["judge"] == "outputs" and s["threshold"] == 0.2 for s in sums)
     assert all(s["infeasible"] or s["degradation"] <= 0.2 for s in sums)
+
+
+def test_paced_intervals_are_the_async_default():
+    """--async saves at intervals where training dominates (--paced), with the agent's own evaluator;
+    --paced and --full are one choice of intervals each."""
+    import pytest
+
+    from ckptzip.demo import run as demo_run
+    from ckptzip.errors import ConfigError
+
+    wl = demo_run.workload_for("digits", full=False, paced=True)
+    assert (wl.total_steps, wl.ckpt_every) == demo_run.PACED["digits"]
+    assert wl.agent_eval == "ckptzip.demo.workloads:digits_eval"  # the same model: the agent can search
+    assert demo_run.workload_for("minilm", full=False, paced=True).ckpt_every == 8  # already training-bound
+    with pytest.raises(ConfigError, match="--paced and --full"):
+        demo_run.main(workloads=("digits",), full=True, paced=True)

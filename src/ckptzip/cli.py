@@ -314,6 +314,9 @@ def demo(
     out: Annotated[str, typer.Option("--out", "-o", help="report folder")] = "demo-report",
     transfer: Annotated[bool, typer.Option("--transfer", help="transfer-learning study (MiniLM)")] = False,
     async_save: Annotated[bool, typer.Option("--async", help="save through the asynchronous engine")] = False,
+    paced: Annotated[Optional[bool], typer.Option(
+        "--paced/--no-paced", help="save intervals where training dominates (digits every 1000 steps, GPT-2 "
+                                   "every 96; 3 failures) [default: with --async]")] = None,
     transfer_check: Annotated[Optional[str], typer.Option(
         "--transfer-check", help="quality check for --transfer: states | states-raw | probe | retrieval [default: states]")] = None,
     transfer_space: Annotated[str, typer.Option(
@@ -332,7 +335,7 @@ def demo(
             return
         demo_run.main(workloads=tuple(workload) or demo_run.DEFAULT_WORKLOADS,
                       methods=[m for m in methods.split(",") if m] or None, failures=failures, full=full,
-                      out=out, threshold=threshold, async_save=async_save)
+                      out=out, threshold=threshold, async_save=async_save, paced=paced)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,7 +15,8 @@ boundary, as JSON lines:
 Call order in one life:
 
     1. read the spec, import ``agent_imports`` (custom methods and fsspec filesystems register
-       themselves there), lock byte 1 of the control block, build the chain, say "ready"
+       themselves there), lock byte 1 of the control block, build the chain, say "ready"; a
+       searching method with ``agent_eval`` builds its (model, eval_fn) now, before the first commit
     2. per "commit": check the slot still holds that seq and is complete, verify its checksum (or
        compute it, when the trainer left that to the agent), build
        a FlatState whose tensors *view* the slot, ``chain.save`` it with an EncodeContext rebuilt
@@ -65,7 +66,7 @@ class _Agent:
                                      retention=RetentionPolicy(**spec["retention"]) if spec.get("retention") else None,
                                      storage_options=spec.get("storage_options"),
                                      takeover=bool(spec.get("takeover")))
-        self.evaluator = None  # (model, eval_fn) from options.agent_eval, built at the first save
+        self.evaluator = None  # (model, eval_fn) from options.agent_eval, built once ready (serve)
         self.segments: dict[int, object] = {}
         self.trainer_gone = False
         self.inbox: queue.Queue = queue.Queue()
@@ -94,6 +95,13 @@ class _Agent:
     def serve(self) -> int:
         threading.Thread(target=self._read_stdin, daemon=True, name="ckptzip-agent-stdin").start()
         self.emit(ev="ready", pid=os.getpid())
+        if self._searches():
+            # build it now, while the trainer trains towards its first save (a model and its data
+            # take seconds: GPT-2 imports transformers); a failure is reported by the first commit
+            try:
+                self._evaluator()
+            except Exception:
+                pass
         while True:
             try:
                 cmd = self.inbox.get(timeout=0.25)
@@ -111,6 +119,19 @@ class _Agent:
             elif op == "close":
                 self.emit(ev="closed")
                 return 0
+
+    def _searches(self) -> bool:
+        from ..methods.base import searches
+
+        return bool(self.opts.get("agent_eval")) and searches(self.chain.method)
+
+    def _evaluator(self) -> tuple:
+        """(model, eval_fn) from ``options.agent_eval``, built once."""
+        if self.evaluator is None:
+            from ..ingest.compress import load_eval
+
+            self.evaluator = load_eval(self.opts["agent_eval"], "EngineOptions.agent_eval")
+        return self.evaluator
 
     def orphan(self) -> int:
         """The trainer is gone: commit what it staged, wait for a successor, then clean up."""
@@ -219,7 +240,7 @@ class _Agent:
                       exc_type=type(e).__name__, errno=getattr(e, "errno", None), traceback=traceback.format_exc())
 
     def _encode(self, seg, info, step: int):
-        from ..methods.base import EncodeContext, searches
+        from ..methods.base import EncodeContext
 
         flat, aux, meta = self.staging.load_slot(seg, info, clone=False)
         try:
@@ -231,12 +252,8 @@ class _Agent:
                 if isinstance(v, dict) and "__aux__" in v:  # a dict of tensors staged beside the state
                     v = {p: aux[n] for p, n in v["__aux__"].items()}
                 kwargs[k] = v
-            if self.opts.get("agent_eval") and searches(self.chain.method):
-                if self.evaluator is None:
-                    from ..ingest.compress import load_eval
-
-                    self.evaluator = load_eval(self.opts["agent_eval"], "EngineOptions.agent_eval")
-                kwargs["model"], kwargs["eval_fn"] = self.evaluator
+            if self._searches():
+                kwargs["model"], kwargs["eval_fn"] = self._evaluator()
             entry = self.chain.save(flat, step, ctx=EncodeContext(step=step, **kwargs))
         finally:
             del flat, aux
