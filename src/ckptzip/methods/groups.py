@@ -31,10 +31,6 @@ if TYPE_CHECKING:  # base.py imports this module (encode_exact)
 GROUP_BELOW = 16384  # tensor bytes under which a record's words go to a group blob
 
 
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def group_key(t: torch.Tensor) -> str:
     return f"group.{t.element_size()}{'f' if t.is_floating_point() else 'i'}"
 
