@@ -10,6 +10,12 @@ with its parent where it has one, go into the group blobs of methods/groups.py (
 ``group_below = 0`` gives every record its own blob (the layout before issue 15; both decode the
 same way).
 
+The writer's reference (what ``encode`` returns) keeps each group blob's words, so the next delta
+XORs a group of the same records in one pass, and which planes of each delta blob zstd could not
+shrink: the next delta stores those raw without trying (every other time: ``_skip_next``). When
+the caller spends the reference (``EncodeContext.reference_spent``: CheckpointChain.save), the
+large records' copies in it are overwritten with the new bits instead of copying the state again.
+
 Decode recipe: per record, its words from its own blob or its group's (each group blob
 decompressed once per file), viewed as the record's dtype and shape, XORed with the parent's
 bits when the pipeline says ``xor/1``.
