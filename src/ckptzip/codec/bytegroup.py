@@ -48,23 +48,17 @@ def _rotr1(words: np.ndarray, bits: int) -> np.ndarray:
 
 
 def split_planes(words: np.ndarray, rotate: bool, prev: np.ndarray | None = None, *,
-                 backend: str = "auto", out: np.ndarray | None = None, advance: bool = False) -> np.ndarray:
+                 backend: str = "auto", out: np.ndarray | None = None) -> np.ndarray:
     """(width, n) uint8 byte planes, most significant first, of ``words`` (uint, native order),
     XORed with ``prev`` first when given, each rotated left by one bit when ``rotate``; into
-    ``out`` when given (numba backend). ``advance``: ``prev`` is then overwritten with ``words`` (a
-    caller that keeps the words as its next reference copies them into memory it holds already)."""
+    ``out`` when given (numba backend)."""
     width = words.dtype.itemsize
     if _use_numba(backend):
         out = np.empty((width, words.size), dtype=np.uint8) if out is None else out
         _split_kernel(words, prev if prev is not None else words[:0], rotate, out)
-        if advance and prev is not None:
-            prev[...] = words  # no allocation (a store fused into the kernel slowed it 2x)
         return out
     if prev is not None:
-        x = words ^ prev
-        if advance:
-            prev[...] = words
-        words = x
+        words = words ^ prev
     if rotate:
         words = _rotl1(words, 8 * width)
     return np.ascontiguousarray(words.view(np.uint8).reshape(-1, width)[:, ::-1].T)
@@ -87,20 +81,23 @@ def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, le
     with first (what a delta against the previous checkpoint stores), in the same pass; ``plane``:
     frames tuned for byte planes (False: zstd's plain ``level``); ``store_raw``: plane indices stored raw
     without trying zstd (a caller's prediction, e.g. the parent's same plane did not shrink: the
-    low mantissa planes of an XOR delta are near-random); ``advance``: ``prev`` (writable) is then
-    overwritten with ``raw``'s words."""
+    low mantissa planes of an XOR delta are near-random); ``advance``: ``prev`` (a writable buffer)
+    is then overwritten with ``raw`` (a caller that keeps the words as its next reference copies them
+    into memory it holds already; a store fused into the split kernel slowed it 2x)."""
     raw = memoryview(raw).cast("B")
     if width not in _UINT or len(raw) % width:
         raise ValueError(f"byte grouping needs a width in {sorted(_UINT)} dividing the data, got {width}")
     if prev is not None:
-        prev = memoryview(prev).cast("B")
+        prev = held = memoryview(prev).cast("B")
     words = _words(raw, width)
     if prev is not None:
         prev = _words(prev, width)
         if prev.size != words.size:
             raise ValueError(f"prev has {prev.size} words, raw {words.size}")
     rotate = bool(float_bits and width > 1)
-    planes = split_planes(words, rotate, prev, out=_planes_buffer(width, len(words)), advance=advance)  # MSB first
+    planes = split_planes(words, rotate, prev, out=_planes_buffer(width, len(words)))  # (width, n): MSB first
+    if advance and prev is not None:
+        held[:] = raw  # bytes for bytes: the words' order on this host does not matter
     parts = []
     for i, p in enumerate(planes):
         c = p.data if i in store_raw else zstd_compress(p.data, level, plane=plane)
