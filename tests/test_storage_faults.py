@@ -227,3 +227,30 @@ def test_real_full_disk_and_read_only_mount(tmpfs):
     chain.save(small, step=3)
     assert CheckpointChain(url).steps() == [1, 2, 3]
     assert os.listdir(url) and all(not n.endswith(".tmp") for n in os.listdir(url))
+
+
+def test_a_failed_save_after_encode_leaves_the_next_delta_right():
+    """lossless advances its writer reference in place during encode (the chain spends it): a save
+    whose file write then fails forgets it, and the next save of the same chain object codes its
+    delta against what storage holds, not against the bits of the failed save."""
+    plan = faultfs.FaultPlan()
+    opts = {"target_protocol": "memory", "plan": plan}
+    chain = CheckpointChain(f"faulty:///ckz-{uuid.uuid4().hex}", "lossless", retry=FAST,
+                            keyframe=KeyframePolicy(every=10), storage_options=opts)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8192, generator=g)  # over GROUP_BELOW: a record of its own, advanced in place
+    seq = []
+    for step in range(1, 5):
+        w = w - 1e-3 * torch.randn(8192, generator=g)
+        seq.append((step, {"model": {"w": w.clone(), "b": w[:7].clone()}}))
+    for step, state in seq[:2]:
+        chain.save(state, step=step)
+    plan.arm(1, faultfs.PERMANENT["full"], times=10**6, ops=("pipe_file",))
+    with pytest.raises(StorageFullError):
+        chain.save(seq[2][1], step=seq[2][0])
+    plan.clear()
+    for step, state in seq[3:]:
+        e = chain.save(state, step=step)
+    assert not e.keyframe
+    for step, state in seq[:2] + seq[3:]:
+        assert_same(state, CheckpointChain(chain.url, storage_options=opts).load(step))
