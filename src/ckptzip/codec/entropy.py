@@ -10,6 +10,7 @@ Registered coders (``CODERS``; the name is what ``encode_codes`` records):
 
 - ``"huffman"``  canonical length-limited Huffman, numba fast path (codec/huffman.py)
 - ``"ans"``      ANS with the empirical frequencies, via constriction (codec/ans.py)
+- ``"rans"``     interleaved static rANS with the empirical frequencies, numba kernels (codec/rans.py)
 - ``"zstd"``     zstandard on the raw little-endian integers in the narrowest width that holds
                  them (a baseline for comparison)
 
@@ -30,7 +31,7 @@ The code pipeline (quantization-aware delta, Inshrinkerator §6)::
 
     b"CQ" 0x01            magic + version
     flags (u8)            bit 0 delta, bit 1 rearranged, bit 2 RLE, bits 4-7 coder id
-                          (0 huffman, 1 ans, 2 zstd)
+                          (0 huffman, 1 ans, 2 zstd, 3 rans)
     n (varint)            number of codes
     n_levels (varint)     B of the cyclic delta (codes lie in [0, B))
     crc32 (u32 LE)        of the bytes above
@@ -67,8 +68,9 @@ CODERS: dict[str, tuple[str, str, str]] = {
     "huffman": ("ckptzip.codec.huffman", "huffman_encode", "huffman_decode"),
     "ans": ("ckptzip.codec.ans", "ans_encode", "ans_decode"),
     "zstd": ("ckptzip.codec.entropy", "zstd_encode", "zstd_decode"),
+    "rans": ("ckptzip.codec.rans", "rans_encode", "rans_decode"),
 }
-_CODER_IDS = {"huffman": 0, "ans": 1, "zstd": 2}   # stored in the codes header; never renumber
+_CODER_IDS = {"huffman": 0, "ans": 1, "zstd": 2, "rans": 3}   # stored in the codes header; never renumber
 _CODER_NAMES = {v: k for k, v in _CODER_IDS.items()}
 
 _CODES_MAGIC = b"CQ\x01"
