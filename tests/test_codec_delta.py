@@ -282,6 +282,8 @@ GOLDEN = [  # (prev?, kwargs, exact bytes): pins the format of every layer; chan
     (True, {}, "435101070c04efc5562b484601060405020203020202020261c050bc785c"),
     (False, {"coder": "ans"},
      "435101140c04c6d83635414e010c050500000001152b40552b0226df9a0d19ee0000a82eacde"),
+    (True, {"rle": False, "rearrange": False, "coder": "rans"},
+     "435101310c04cd5cb00b5241010c020002d5012b01026f0000003e359a75d0eef64d"),
     (True, {"rle": False, "rearrange": False, "coder": "zstd"},
      "435101210c04bdff96175a5301010c28b52ffd200c610000000000000003000000000300a1f82d39"),
 ]
