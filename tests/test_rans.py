@@ -3,6 +3,7 @@ size against constriction's ANS, hostile buffers, and a dynaquant chain coded wi
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +26,9 @@ def streams():
     yield "many-distinct", rng.permutation(np.arange(-700, 1300))          # every count 1: P > log2 n
     yield "negative-zipf", rng.zipf(1.5, 3003).astype(np.int64) * -1
     yield "wide", rng.choice(np.array([-(1 << 63), 0, (1 << 63) - 1]), 1002)
+    # a real Adam exp_avg's 8192 1-bit direction codes (tests/test_ans.py: under the naive size bound)
+    sign = (Path(__file__).parent / "data" / "ans_sign_stream.bin").read_bytes()
+    yield "real-sign", np.unpackbits(np.frombuffer(sign, dtype=np.uint8)).astype(np.int64)
 
 
 @pytest.mark.parametrize("name,x", list(streams()))

@@ -58,7 +58,7 @@ from .frames import zstd_compress, zstd_decompress
 __all__ = [
     "CODERS", "get_coder", "encode_stream", "decode_stream", "zstd_encode", "zstd_decode",
     "encode_codes", "decode_codes", "read_codes_header", "entropy_bits",
-    "as_symbols", "symbol_table", "ByteReader", "write_varint", "pack_varints", "seal", "unseal",
+    "as_symbols", "symbol_table", "symbol_counts", "ByteReader", "write_varint", "pack_varints", "seal", "unseal",
     "pack_alphabet", "read_alphabet", "alphabet_header", "open_alphabet_stream",
 ]
 
@@ -443,31 +443,39 @@ def symbol_table(sym: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(values, counts, index) of an int64 stream: sorted distinct values, how often each occurs,
     and each symbol's position in ``values`` (int32). Counting table when the value span is
     small (the usual case; fused numba passes when available), a sort otherwise."""
+    values, counts, lo, lut = symbol_counts(sym)
+    if lut is None:
+        return values, counts, np.unique(sym, return_inverse=True)[1].astype(np.int32).reshape(-1)
+    if _numba is not None:
+        index = np.empty(sym.size, dtype=np.int32)
+        _index_kernel(sym, lo, lut, index)
+        return values, counts, index
+    return values, counts, lut[sym - np.int64(lo)]
+
+
+def symbol_counts(sym: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray | None]:
+    """(values, counts, lo, lut) of an int64 stream, without the index pass of :func:`symbol_table`:
+    ``lut[v - lo]`` is value v's position in ``values`` (int32) when the value span is small enough
+    for a counting table, else None."""
     if sym.size == 0:
         z = np.zeros(0, dtype=np.int64)
-        return z, z, np.zeros(0, dtype=np.int32)
+        return z, z, 0, np.zeros(0, dtype=np.int32)
     if _numba is not None:
         lo, hi = (int(v) for v in _minmax_kernel(sym))
     else:
         lo, hi = int(sym.min()), int(sym.max())
     if hi - lo >= max(1 << 22, 2 * sym.size):
-        values, index, counts = np.unique(sym, return_inverse=True, return_counts=True)
-        return values.astype(np.int64), counts.astype(np.int64), index.astype(np.int32).reshape(-1)
+        values, counts = np.unique(sym, return_counts=True)
+        return values.astype(np.int64), counts.astype(np.int64), lo, None
     if _numba is not None:
         cnt = np.zeros(hi - lo + 1, dtype=np.int64)
         _count_kernel(sym, lo, cnt)
     else:
-        shifted = sym - np.int64(lo)
-        cnt = np.bincount(shifted, minlength=hi - lo + 1)
+        cnt = np.bincount(sym - np.int64(lo), minlength=hi - lo + 1)
     present = np.flatnonzero(cnt)
     lut = np.zeros(cnt.size, dtype=np.int32)
     lut[present] = np.arange(present.size, dtype=np.int32)
-    if _numba is not None:
-        index = np.empty(sym.size, dtype=np.int32)
-        _index_kernel(sym, lo, lut, index)
-    else:
-        index = lut[shifted]
-    return present.astype(np.int64) + np.int64(lo), cnt[present].astype(np.int64), index
+    return present.astype(np.int64) + np.int64(lo), cnt[present].astype(np.int64), lo, lut
 
 
 try:  # optional fused passes for symbol_table

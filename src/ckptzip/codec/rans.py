@@ -43,7 +43,7 @@ import math
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from .entropy import alphabet_header, as_symbols, open_alphabet_stream, pack_varints, seal, symbol_table, write_varint
+from .entropy import alphabet_header, as_symbols, open_alphabet_stream, pack_varints, seal, symbol_counts, write_varint
 
 from .huffman import HAVE_NUMBA, _pick
 
@@ -61,7 +61,7 @@ _MASK32 = (1 << 32) - 1
 _LUT_BITS = 12                   # decode table over the slot's top bits: 16 KiB, in L1
 # bytes of payload per extra lane: a lane's flush costs ~6 bytes over a single state's, so more
 # lanes pay only where that stays near 0.1 % of the payload (docs/BENCHMARKS.md, issue 15)
-_LANE_PAYLOAD = {4: 24_000, 2: 8_000}
+_LANE_PAYLOAD = {4: 12_000, 2: 3_000}
 
 
 # =========================================================================== public API
@@ -71,7 +71,9 @@ def rans_encode(symbols, *, lanes: int | None = None, backend: str = "auto") -> 
     installed), "numba" or "numpy" (the plain reference, same bytes)."""
     fast = _pick(backend)
     sym = as_symbols(symbols)
-    values, counts, index = symbol_table(sym)
+    values, counts, lo, lut = symbol_counts(sym)
+    if lut is None:  # a sparse alphabet: the kernels read positions in values
+        sym, lo, lut = np.searchsorted(values, sym).astype(np.int32), 0, np.arange(values.size, dtype=np.int32)
     k = values.size
     if k > _MAX_DISTINCT:
         raise ValueError(f"{k} distinct symbols exceed the rANS coder's {_MAX_DISTINCT}; "
@@ -89,7 +91,7 @@ def rans_encode(symbols, *, lanes: int | None = None, backend: str = "auto") -> 
     # a symbol adds at most its cost + log2(1 + M/L) bits to its lane's state (x' <= x M/f + M),
     # so the words pushed fit this bound (the kernel's buffer)
     cap = int(math.ceil((cost + sym.size * _GROWTH_SLACK * 2.0 ** (P - 31)) / 32 * (1 + 1e-9))) + 2 + lanes
-    words = (_encode_numba if fast else _encode_python)(index, freqs, P, lanes, cap)
+    words = (_encode_numba if fast else _encode_python)(sym, lo, lut, freqs, P, lanes, cap)
     out += pack_varints(freqs)
     out.append(lanes)
     write_varint(out, words.size)
@@ -212,8 +214,9 @@ def _flush(states) -> list[int]:
     return [w for x in states for w in (int(x) >> 32, int(x) & _MASK32)]
 
 
-def _encode_python(index, freqs, P, lanes, cap) -> np.ndarray:
+def _encode_python(sym, lo, lut, freqs, P, lanes, cap) -> np.ndarray:
     """Reference encoder: exact integer division, one symbol at a time."""
+    index = lut[sym - lo]
     f, st = freqs.tolist(), _starts(freqs).tolist()
     x = [_L] * lanes
     pushed = []
@@ -251,12 +254,12 @@ def _decode_python(words, n, lanes, freqs, P, values, out) -> bool:
     return pos == len(w) and all(v == _L for v in x)
 
 
-def _encode_numba(index, freqs, P, lanes, cap) -> np.ndarray:
+def _encode_numba(sym, lo, lut, freqs, P, lanes, cap) -> np.ndarray:
     out = np.empty(cap + 2 * lanes, dtype=np.uint32)
-    pos = _encode_kernel(index, freqs, P, lanes, out)
+    pos = _encode_kernel(sym, lo, lut, freqs, P, lanes, out)
     if pos < 0:  # past the bound (it holds: never seen); a symbol pushes at most one word
-        out = np.empty(index.size + 4 * lanes + 1, dtype=np.uint32)  # pragma: no cover
-        pos = _encode_kernel(index, freqs, P, lanes, out)  # pragma: no cover
+        out = np.empty(sym.size + 4 * lanes + 1, dtype=np.uint32)  # pragma: no cover
+        pos = _encode_kernel(sym, lo, lut, freqs, P, lanes, out)  # pragma: no cover
     return out[pos:]
 
 
@@ -321,21 +324,22 @@ if HAVE_NUMBA:
         return x + t[s, 2] + q * (c & _LO), w, e
 
     @_numba.njit(cache=True, nogil=True)
-    def _encode_kernel(index, freqs, P, lanes, out):  # pragma: no cover - compiled
-        """Encode index (backwards) into out's tail, the lanes' final states in front -> the first
-        word's position (-1: out too short). Words are stored always, kept when emitted."""
+    def _encode_kernel(sym, lo, lut, freqs, P, lanes, out):  # pragma: no cover - compiled
+        """Encode sym (backwards; symbol v has rank lut[v - lo]) into out's tail, the lanes' final
+        states in front -> the first word's position (-1: out too short). Words are stored always,
+        kept when emitted."""
         t = _encode_tables(freqs, P)
         pos = out.size
         x0 = x1 = x2 = x3 = _UL
-        i = index.size - 1
+        i = sym.size - 1
         while i >= 0 and i % lanes != lanes - 1:  # the tail of a partial group: lane = i % lanes
             j = i % lanes
             if j == 0:
-                x0, w, e = _enc(x0, t, index[i])
+                x0, w, e = _enc(x0, t, lut[sym[i] - lo])
             elif j == 1:
-                x1, w, e = _enc(x1, t, index[i])
+                x1, w, e = _enc(x1, t, lut[sym[i] - lo])
             else:
-                x2, w, e = _enc(x2, t, index[i])
+                x2, w, e = _enc(x2, t, lut[sym[i] - lo])
             out[pos - 1] = w
             pos -= np.int64(e)
             i -= 1
@@ -343,20 +347,20 @@ if HAVE_NUMBA:
             if pos <= 3 * lanes:  # room for one more group, and the lanes' flush in front
                 return -1
             if lanes == 4:
-                x3, w, e = _enc(x3, t, index[i])
+                x3, w, e = _enc(x3, t, lut[sym[i] - lo])
                 out[pos - 1] = w
                 pos -= np.int64(e)
-                x2, w, e = _enc(x2, t, index[i - 1])
+                x2, w, e = _enc(x2, t, lut[sym[i - 1] - lo])
                 out[pos - 1] = w
                 pos -= np.int64(e)
-                x1, w, e = _enc(x1, t, index[i - 2])
+                x1, w, e = _enc(x1, t, lut[sym[i - 2] - lo])
                 out[pos - 1] = w
                 pos -= np.int64(e)
             elif lanes == 2:
-                x1, w, e = _enc(x1, t, index[i])
+                x1, w, e = _enc(x1, t, lut[sym[i] - lo])
                 out[pos - 1] = w
                 pos -= np.int64(e)
-            x0, w, e = _enc(x0, t, index[i - lanes + 1])
+            x0, w, e = _enc(x0, t, lut[sym[i - lanes + 1] - lo])
             out[pos - 1] = w
             pos -= np.int64(e)
             i -= lanes
