@@ -91,7 +91,8 @@ def main(argv=None) -> None:
         assert all(np.array_equal(a, b) for a, b in zip(outs, streams))
         nbytes = sum(map(len, bufs))
         base = base or nbytes
-        print(f"| {coder} | {nbytes} | {nbytes / base:.4f} | {nbytes / h:.4f} | {te / n * 1e9:.2f} | {td / n * 1e9:.2f} |")
+        print(f"| {coder} | {nbytes} | {nbytes / base:.4f} | {nbytes / h:.4f} | {te / n * 1e9:.2f} "
+              f"| {td / n * 1e9:.2f} |")
     print("\n| synthetic stream (200k symbols) | ans bytes | rans bytes | rans / ans |\n|---|---|---|---|")
     for name, x in synthetic().items():
         a, r = len(E.encode_stream("ans", x)), len(E.encode_stream("rans", x))

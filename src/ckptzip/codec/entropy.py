@@ -59,7 +59,7 @@ __all__ = [
     "CODERS", "get_coder", "encode_stream", "decode_stream", "zstd_encode", "zstd_decode",
     "encode_codes", "decode_codes", "read_codes_header", "entropy_bits",
     "as_symbols", "symbol_table", "symbol_counts", "ByteReader", "write_varint", "pack_varints", "seal", "unseal",
-    "pack_alphabet", "read_alphabet", "alphabet_header", "open_alphabet_stream",
+    "pack_alphabet", "read_alphabet", "alphabet_header", "open_alphabet_stream", "single_value_stream",
 ]
 
 # name -> (module, encode function, decode function); resolved on first use so that the coder
@@ -417,6 +417,14 @@ def open_alphabet_stream(buf, magic: bytes, what: str, *, max_k: int | None = No
     if (n == 0) != (k == 0) or k > n or (max_k is not None and k > max_k):
         raise CorruptCheckpointError(f"{what} header is inconsistent (n={n}, k={k})")
     return r, n, read_alphabet(r, k)
+
+
+def single_value_stream(r: ByteReader, n: int, values: np.ndarray) -> np.ndarray | None:
+    """A stream of at most one distinct value has no payload: its n symbols (None when k >= 2)."""
+    if values.size > 1:
+        return None
+    r.expect_end()
+    return np.full(n, values[0] if values.size else 0, dtype=np.int64)
 
 
 def read_alphabet(r: ByteReader, k: int) -> np.ndarray:
