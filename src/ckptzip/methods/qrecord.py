@@ -16,6 +16,7 @@ import torch
 
 from ..codec import stages as S
 from ..codec.entropy import decode_codes, encode_codes
+from ..codec.rans import HAVE_NUMBA
 from ..errors import CorruptCheckpointError
 from ..quant.base import QuantizedTensor
 from ..tensorbytes import dtype_name, tensor_from_bytes, tensor_to_bytes
@@ -68,9 +69,10 @@ def store(enc: Encoded, name: str, q: QuantizedTensor, prev: Codes | None, *, me
 RECORD_META = ("domain", "k", "n_pruned", "n_protected", "adam", "prune_threshold", "sensitivity_fallback")
 
 AUTO_RUNS_ABOVE = 0.8  # share of unchanged codes above which runs of zero deltas pay for RLE
-# the order-0 coder ``auto`` picks (and the grid moment codec uses): rANS, measured ~2x faster than
-# constriction's ANS on a chain's code streams at +0.1 % of its bytes (docs/BENCHMARKS.md, issue 15)
-ORDER0_CODER = "rans"
+# the order-0 coder ``auto`` picks (and the grid moment codec uses): rANS, measured 1.7x faster than
+# constriction's ANS on a chain's code streams at +0.2 % of its bytes (docs/BENCHMARKS.md, issue 15);
+# without numba its plain-Python reference would be far slower than ANS
+ORDER0_CODER = "rans" if HAVE_NUMBA else "ans"
 
 
 def choose_coder(codes: torch.Tensor, prev: Codes | None) -> tuple[str, bool, bool]:
