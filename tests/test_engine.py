@@ -448,3 +448,18 @@ def _trainer_main(scenario, url, outdir, linger_s):
 
 if __name__ == "__main__":
     _trainer_main(sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]))
+
+
+def test_an_eval_fn_the_agent_cannot_run_is_warned_only_when_the_method_would_search(tmp_path):
+    """AsyncCheckpointEngine.save(ctx=EncodeContext(eval_fn=...)): the function cannot cross into the
+    agent; a method whose search is on says so once, one whose search is off has nothing to lose."""
+    from ckptzip.methods.base import EncodeContext
+
+    model = torch.nn.Linear(8, 4)
+    ctx = EncodeContext(step=1, eval_fn=lambda m: 0.0)
+    for config, warns in (({"search": {"enabled": False}}, False), (None, True)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with AsyncCheckpointEngine(tmp_path / f"c{warns}", "dynaquant", config=config) as eng:
+                eng.save({"model": model.state_dict()}, 1, ctx=ctx).wait()
+        assert any("cannot run eval_fn" in str(w.message) for w in seen) == warns

@@ -88,7 +88,7 @@ import torch
 
 from ..chain import CheckpointChain, KeyframePolicy, RetentionPolicy
 from ..errors import ConfigError, StepNotFoundError, StepOrderError
-from ..methods.base import EncodeContext, Method
+from ..methods.base import EncodeContext, Method, searches
 from ..state import FlatState, flatten_state, unflatten_state
 from . import staging
 from .distributed import all_gather, newest_common_step, rank_world, use_distributed
@@ -277,8 +277,7 @@ class AsyncCheckpointEngine:
             if f.name in ("step", "model"):
                 continue
             if f.name == "eval_fn":
-                cfg = getattr(self.chain.method, "config", None)
-                searches_here = getattr(cfg, "search", False) and not self.options.agent_eval
+                searches_here = searches(self.chain.method) and not self.options.agent_eval
                 if v is not None and searches_here and "eval_fn" not in self._warned:
                     self._warned.add("eval_fn")
                     warnings.warn("async saves cannot run eval_fn (the agent has no live model): "
