@@ -156,7 +156,7 @@ def test_rearrange_empty():
 
 
 # --------------------------------------------------------------------------- full pipeline
-FLAGS = list(itertools.product([False, True], [False, True], ["huffman", "ans", "zstd"]))
+FLAGS = list(itertools.product([False, True], [False, True], ["huffman", "ans", "rans", "zstd"]))
 
 
 @pytest.mark.parametrize("rearrange,rle,coder", FLAGS)
@@ -248,7 +248,7 @@ def test_pipeline_caller_errors():
         encode_codes(None, cur + 16, 16)
 
 
-@pytest.mark.parametrize("coder", ["huffman", "ans", "zstd"])
+@pytest.mark.parametrize("coder", ["huffman", "ans", "rans", "zstd"])
 def test_pipeline_corrupt_or_truncated_raises(real_codes, coder):
     prev, cur = real_codes["fc3.weight"][2], real_codes["fc3.weight"][3]
     buf = encode_codes(prev, cur, 16, coder=coder)
