@@ -120,9 +120,12 @@ def rans_decode(buf, *, backend: str = "auto") -> np.ndarray:
         raise CorruptCheckpointError("rans stream frequencies must be >= 1 and sum to a power of two <= 2**24")
     if lanes not in LANES or n_words < 2 * lanes:
         raise CorruptCheckpointError(f"rans stream has {lanes} lanes and {n_words} words")
-    # every symbol takes >= -log2(max p) bits, less what rounding in a state can hide (see
-    # rans_encode): the words bound the symbol count before the output is allocated
-    if n * (P - math.log2(fmax) - _GROWTH_SLACK * 2.0 ** (P - 31)) > 32 * n_words:
+    # pushing a symbol of frequency f grows a state x >= 2**(31-P) f by a factor of at least
+    # 1 + (2**P - f) / f * (1 - 2**(P-31)) (x' - x = q (2**P - f) + start, q = x // f), and the
+    # lanes' states end below 2**63 having started at L: the words bound the symbol count before
+    # the output is allocated (a stream of one symbol at p ~ 1 - 2**-24 does hold ~3.7e8 a word)
+    grow = math.log2(1 + ((1 << P) - fmax) / fmax * (1 - 2.0 ** (P - 31)))
+    if n * grow > 32 * (n_words - lanes) + 1:
         raise CorruptCheckpointError(f"rans payload of {n_words} words cannot hold {n} symbols")
     out = np.empty(n, dtype=np.int64)
     ok = (_decode_kernel if fast else _decode_python)(words, n, lanes, freqs.astype(np.uint64), P, values, out)
