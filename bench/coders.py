@@ -10,12 +10,13 @@ Each coder encodes and decodes every stream; time is thread CPU time, one thread
 --reps passes over all streams (whole calls: symbol table, header, CRC included), in ns per symbol;
 bytes are the coder's whole buffers. Run:
 
-    .venv/bin/python bench/coders.py            (~1 min)
+    .venv/bin/python bench/coders.py            (~2 min)
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -27,27 +28,42 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ckptzip.codec import entropy as E  # noqa: E402
 
 
-def chain_streams(n: int, every: int) -> list[np.ndarray]:
-    """The order-0 coders' input streams of a dynaquant save of the small GPT chain."""
-    from speed import small_states
+def tapped_saves(states: list[dict], coder: str | None = None) -> tuple[list[np.ndarray], list[tuple]]:
+    """Save ``states`` as a dynaquant chain, every order-0 stream coded with ``coder`` (None: as
+    written) -> (the streams, per save: (coder seconds, zstd-3 seconds of the raw bytes, symbols)).
+    The substitution happens below the codes header, so those files are for timing only."""
+    import zstandard
 
     from ckptzip.chain import CheckpointChain
+    from ckptzip.state import flatten_state
 
-    streams, encode_stream = [], E.encode_stream
+    streams, saves, acc, encode_stream = [], [], [0.0, 0], E.encode_stream
 
     def tap(name, symbols):
-        if name in ("ans", "rans"):
+        if name not in ("ans", "rans"):
+            return encode_stream(name, symbols)
+        if coder is None:
             streams.append(E.as_symbols(symbols).copy())
-        return encode_stream(name, symbols)
+        t0 = time.thread_time()
+        out = encode_stream(coder or name, symbols)
+        acc[0] += time.thread_time() - t0
+        acc[1] += int(symbols.numel()) if isinstance(symbols, torch.Tensor) else int(np.size(symbols))
+        return out
 
     E.encode_stream = tap
     try:
-        chain = CheckpointChain("memory://bench-coders", "dynaquant")
-        for i, state in enumerate(small_states(n, every)):
+        chain = CheckpointChain(f"memory://bench-coders-{coder}-{time.perf_counter_ns()}", "dynaquant")
+        for i, state in enumerate(states):
+            raw = b"".join(t.numpy().tobytes() for t in flatten_state(state).tensors.values())
+            t0 = time.thread_time()
+            zstandard.ZstdCompressor(level=3).compress(raw)
+            tz = time.thread_time() - t0
+            acc[:] = [0.0, 0]
             chain.save(state, i + 1)
+            saves.append((acc[0], tz, acc[1]))
     finally:
         E.encode_stream = encode_stream
-    return streams
+    return streams, saves
 
 
 def synthetic() -> dict[str, np.ndarray]:
@@ -74,7 +90,10 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    streams = chain_streams(args.small_n, args.small_every)
+    from speed import small_states
+
+    states = small_states(args.small_n, args.small_every)
+    streams, _ = tapped_saves(states)
     n = sum(s.size for s in streams)
     h = sum(E.entropy_bits(s) for s in streams) / 8
     sizes = np.array([s.size for s in streams])
@@ -93,6 +112,13 @@ def main(argv=None) -> None:
         base = base or nbytes
         print(f"| {coder} | {nbytes} | {nbytes / base:.4f} | {nbytes / h:.4f} | {te / n * 1e9:.2f} "
               f"| {td / n * 1e9:.2f} |")
+    print("\nInside the chain's saves (each order-0 stream coded with the coder; median [min, max] over "
+          f"{args.reps} passes of {len(states)} saves):\n\n| coder | x zstd-3 of the checkpoint | ns/symbol |\n|---|---|---|")
+    for coder in ("ans", "rans"):
+        rows = [s for _ in range(args.reps) for s in tapped_saves(states, coder)[1]]
+        share, ns = [t / tz for t, tz, _ in rows], [t / n * 1e9 for t, _, n in rows]
+        print(f"| {coder} | {statistics.median(share):.2f} [{min(share):.2f}, {max(share):.2f}] "
+              f"| {statistics.median(ns):.2f} [{min(ns):.2f}, {max(ns):.2f}] |")
     print("\n| synthetic stream (200k symbols) | ans bytes | rans bytes | rans / ans |\n|---|---|---|---|")
     for name, x in synthetic().items():
         a, r = len(E.encode_stream("ans", x)), len(E.encode_stream("rans", x))
