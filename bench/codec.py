@@ -34,7 +34,7 @@ from ckptzip.codec import rle as R
 from ckptzip.codec.entropy import decode_codes, encode_codes, entropy_bits, get_coder
 from ckptzip.demo.workloads import DigitsMLP, digits_data, digits_run
 
-CODERS = ("huffman", "ans", "zstd")
+CODERS = ("huffman", "ans", "rans", "zstd")
 
 
 def uniform_codes(x: torch.Tensor, n_levels: int = 16) -> torch.Tensor:

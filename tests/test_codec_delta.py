@@ -156,7 +156,7 @@ def test_rearrange_empty():
 
 
 # --------------------------------------------------------------------------- full pipeline
-FLAGS = list(itertools.product([False, True], [False, True], ["huffman", "ans", "zstd"]))
+FLAGS = list(itertools.product([False, True], [False, True], ["huffman", "ans", "rans", "zstd"]))
 
 
 @pytest.mark.parametrize("rearrange,rle,coder", FLAGS)
@@ -248,7 +248,7 @@ def test_pipeline_caller_errors():
         encode_codes(None, cur + 16, 16)
 
 
-@pytest.mark.parametrize("coder", ["huffman", "ans", "zstd"])
+@pytest.mark.parametrize("coder", ["huffman", "ans", "rans", "zstd"])
 def test_pipeline_corrupt_or_truncated_raises(real_codes, coder):
     prev, cur = real_codes["fc3.weight"][2], real_codes["fc3.weight"][3]
     buf = encode_codes(prev, cur, 16, coder=coder)
@@ -282,6 +282,8 @@ GOLDEN = [  # (prev?, kwargs, exact bytes): pins the format of every layer; chan
     (True, {}, "435101070c04efc5562b484601060405020203020202020261c050bc785c"),
     (False, {"coder": "ans"},
      "435101140c04c6d83635414e010c050500000001152b40552b0226df9a0d19ee0000a82eacde"),
+    (True, {"rle": False, "rearrange": False, "coder": "rans"},
+     "435101310c04cd5cb00b5241010c020002d5012b01026f0000003e359a75d0eef64d"),
     (True, {"rle": False, "rearrange": False, "coder": "zstd"},
      "435101210c04bdff96175a5301010c28b52ffd200c610000000000000003000000000300a1f82d39"),
 ]

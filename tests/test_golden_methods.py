@@ -21,6 +21,7 @@ from ckptzip import CheckpointChain
 
 DATA = Path(__file__).resolve().parent / "data"
 V1, V2 = DATA / "golden_methods_v1", DATA / "golden_methods_v2"
+V2_ANS = DATA / "golden_methods_v2_ans"  # v2 chains as written before rans/1 replaced ans/1 (frozen)
 INPUTS = json.loads((V1 / "inputs.json").read_text())
 EXPECTED = {"v1": json.loads((V1 / "expected.json").read_text()), "v2": json.loads((V2 / "expected.json").read_text())}
 _spec = importlib.util.spec_from_file_location("make_golden_methods", DATA / "make_golden_methods.py")
@@ -68,6 +69,12 @@ def test_v01_chain_decodes_as_v01_did(name, values):
 @pytest.mark.parametrize("name", sorted(EXPECTED["v2"]))
 def test_current_chain_decodes_as_written(name, values):
     _restores_as_expected(V2, name, EXPECTED["v2"][name], values)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in V2_ANS.iterdir()))
+def test_ans_coded_chain_decodes_as_its_rans_successor(name, values):
+    """The same chains coded with ans/1 (grid moments included) restore what v2's rans/1 files do."""
+    _restores_as_expected(V2_ANS, name, EXPECTED["v2"][name], values)
 
 
 @pytest.mark.parametrize("name", sorted(n for n, (_, _, search) in {**golden.CHAINS, **golden.CHAINS_CURRENT}.items()

@@ -6,6 +6,7 @@ import torch
 
 from ckptzip import CheckpointChain, KeyframePolicy
 from ckptzip.codec.entropy import read_codes_header
+from ckptzip.methods.qrecord import ORDER0_CODER
 from ckptzip.quant.dynaquant import adam_direction_error
 from ckptzip.quant.moments import AdamHP, denominator
 from ckptzip.state import flatten_state
@@ -82,10 +83,11 @@ def test_delta_records_and_resumed_writer(chain_and_run, tmp_path):
     recs = c.manifest["records"]
     wq = [n for n, r in recs.items() if r["pipeline"][0] == "dynaquant/1" and r["role"] == "weight"]
     assert wq and all("cyclic-delta/1" in recs[n]["pipeline"] for n in wq)
-    for n in wq:  # coder="auto": the paper's rearranged RLE + Huffman, or ANS on the plain delta
+    for n in wq:  # coder="auto": the paper's rearranged RLE + Huffman, or the order-0 coder on the plain delta
         h = read_codes_header(c.blobs[recs[n]["blobs"]["codes"]])
         assert h["delta"]
-        assert (h["rearrange"] and h["rle"] and h["coder"] == "huffman") or (h["coder"] == "ans" and not h["rle"])
+        assert (h["rearrange"] and h["rle"] and h["coder"] == "huffman") or \
+            (h["coder"] == ORDER0_CODER and not h["rle"])
     # a new writer on the same folder continues with a delta against the last step
     ch2 = CheckpointChain(tmp_path, "dynaquant", keyframe=KeyframePolicy(every=4))
     st = {"model": snaps[-1].model, "optimizer": snaps[-1].optimizer, "step": 999}

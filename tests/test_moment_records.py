@@ -7,6 +7,7 @@ from ckptzip import CheckpointChain, KeyframePolicy
 from ckptzip.errors import CorruptCheckpointError
 from ckptzip.format import decode_container
 from ckptzip.methods.base import DecodeContext, get_method
+from ckptzip.methods.qrecord import ORDER0_CODER
 from ckptzip.quant import moments as M
 from ckptzip.state import flatten_state
 
@@ -25,8 +26,8 @@ def test_grid_chain_decodes_as_the_quantizer_does(tmp_path, digits_snapshots):
         man = decode_container(ch.storage.read(e.file)).manifest
         v = man["records"]["optimizer/state/0/exp_avg_sq"]
         # v: levels delta against the parent's in delta files, factored residuals in keyframes
-        assert v["pipeline"] == (["moment-grid/1", "ans/1"] if e.keyframe else
-                                 ["moment-grid/1", "cyclic-delta/1", "ans/1"])
+        coder = f"{ORDER0_CODER}/1"
+        assert v["pipeline"] == (["moment-grid/1", coder] if e.keyframe else ["moment-grid/1", "cyclic-delta/1", coder])
         assert v["meta"]["factored"] is e.keyframe
         out = ch.load(s.step)["optimizer"]["state"][0]
         st = s.optimizer["state"][0]

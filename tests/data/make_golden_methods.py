@@ -15,6 +15,10 @@ byte with v2's file, or v1's where the format did not change. Regenerate it only
 deliberate format change (and update FORMAT.md with it); the files it replaces must stay readable,
 so move them to a new frozen golden folder first when an old reader path is at stake.
 
+``golden_methods_v2_ans/`` is such a folder: v2's ``dynaquant`` and ``dynaquant-residual`` chains as
+written while ``auto`` and the grid moment codec coded with ``ans/1``, before ``rans/1`` replaced it
+(their restore is v2's ``expected.json`` entry of the same name).
+
 golden_methods_v1/
     values.safetensors   every distinct tensor below, keyed by the first 16 hex digits of
                          sha256(dtype | shape | bytes): the inputs and what 0.1 decoded

@@ -6,10 +6,11 @@ Modules (import each one directly; this package re-exports nothing):
                 by source bucket (DynaQuant §6, Algorithms 5-6)
 - ``rle``       run-length encoding with the sign trick (values as -v, run lengths > 1 as +L)
 - ``entropy``   base of the coder family: framing helpers, the coder registry
-                (``huffman``, ``ans``, ``zstd``) and the full code pipeline
+                (``huffman``, ``ans``, ``zstd``, ``rans``) and the full code pipeline
                 ``encode_codes`` / ``decode_codes``
 - ``huffman``   canonical, length-limited Huffman coding of integer streams (numba fast path)
 - ``ans``       the same interface on constriction's ANS coder
+- ``rans``      the same interface: interleaved static rANS, numba kernels (faster than ``ans``)
 - ``bitmask``, ``bytegroup``  float-delta helpers for the other methods
 - ``stages``    the registry of every record-pipeline descriptor (checked on read)
 - ``frames``    the one place that calls zstd and xz (bounded, typed errors)

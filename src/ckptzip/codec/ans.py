@@ -28,8 +28,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from .entropy import (alphabet_header, as_symbols, open_alphabet_stream, pack_varints, seal, symbol_table,
-                      write_varint)
+from .entropy import (alphabet_header, as_symbols, open_alphabet_stream, pack_varints, seal, single_value_stream,
+                      symbol_table, write_varint)
 
 __all__ = ["ans_encode", "ans_decode", "quantize_counts", "PRECISION_BITS"]
 
@@ -63,10 +63,10 @@ def ans_encode(symbols) -> bytes:
 def ans_decode(buf) -> np.ndarray:
     """Inverse of :func:`ans_encode` -> 1-D int64 array. Corrupt input: CorruptCheckpointError."""
     r, n, values = open_alphabet_stream(buf, _MAGIC, "ans stream", max_k=_MAX_DISTINCT)
+    single = single_value_stream(r, n, values)
+    if single is not None:
+        return single
     k = values.size
-    if k <= 1:
-        r.expect_end()
-        return np.full(n, values[0] if k else 0, dtype=np.int64)
     freqs = r.varints(k)
     n_words = r.varint()
     words = np.frombuffer(r.take(4 * n_words), dtype="<u4").astype(np.uint32)

@@ -10,6 +10,7 @@ Registered coders (``CODERS``; the name is what ``encode_codes`` records):
 
 - ``"huffman"``  canonical length-limited Huffman, numba fast path (codec/huffman.py)
 - ``"ans"``      ANS with the empirical frequencies, via constriction (codec/ans.py)
+- ``"rans"``     interleaved static rANS with the empirical frequencies, numba kernels (codec/rans.py)
 - ``"zstd"``     zstandard on the raw little-endian integers in the narrowest width that holds
                  them (a baseline for comparison)
 
@@ -30,7 +31,7 @@ The code pipeline (quantization-aware delta, Inshrinkerator §6)::
 
     b"CQ" 0x01            magic + version
     flags (u8)            bit 0 delta, bit 1 rearranged, bit 2 RLE, bits 4-7 coder id
-                          (0 huffman, 1 ans, 2 zstd)
+                          (0 huffman, 1 ans, 2 zstd, 3 rans)
     n (varint)            number of codes
     n_levels (varint)     B of the cyclic delta (codes lie in [0, B))
     crc32 (u32 LE)        of the bytes above
@@ -57,8 +58,8 @@ from .frames import zstd_compress, zstd_decompress
 __all__ = [
     "CODERS", "get_coder", "encode_stream", "decode_stream", "zstd_encode", "zstd_decode",
     "encode_codes", "decode_codes", "read_codes_header", "entropy_bits",
-    "as_symbols", "symbol_table", "ByteReader", "write_varint", "pack_varints", "seal", "unseal",
-    "pack_alphabet", "read_alphabet", "alphabet_header", "open_alphabet_stream",
+    "as_symbols", "symbol_table", "symbol_counts", "ByteReader", "write_varint", "pack_varints", "seal", "unseal",
+    "pack_alphabet", "read_alphabet", "alphabet_header", "open_alphabet_stream", "single_value_stream",
 ]
 
 # name -> (module, encode function, decode function); resolved on first use so that the coder
@@ -67,8 +68,9 @@ CODERS: dict[str, tuple[str, str, str]] = {
     "huffman": ("ckptzip.codec.huffman", "huffman_encode", "huffman_decode"),
     "ans": ("ckptzip.codec.ans", "ans_encode", "ans_decode"),
     "zstd": ("ckptzip.codec.entropy", "zstd_encode", "zstd_decode"),
+    "rans": ("ckptzip.codec.rans", "rans_encode", "rans_decode"),
 }
-_CODER_IDS = {"huffman": 0, "ans": 1, "zstd": 2}   # stored in the codes header; never renumber
+_CODER_IDS = {"huffman": 0, "ans": 1, "zstd": 2, "rans": 3}   # stored in the codes header; never renumber
 _CODER_NAMES = {v: k for k, v in _CODER_IDS.items()}
 
 _CODES_MAGIC = b"CQ\x01"
@@ -417,6 +419,14 @@ def open_alphabet_stream(buf, magic: bytes, what: str, *, max_k: int | None = No
     return r, n, read_alphabet(r, k)
 
 
+def single_value_stream(r: ByteReader, n: int, values: np.ndarray) -> np.ndarray | None:
+    """A stream of at most one distinct value has no payload: its n symbols (None when k >= 2)."""
+    if values.size > 1:
+        return None
+    r.expect_end()
+    return np.full(n, values[0] if values.size else 0, dtype=np.int64)
+
+
 def read_alphabet(r: ByteReader, k: int) -> np.ndarray:
     """Inverse of :func:`pack_alphabet`: k strictly increasing int64 values."""
     if k == 0:
@@ -441,31 +451,39 @@ def symbol_table(sym: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(values, counts, index) of an int64 stream: sorted distinct values, how often each occurs,
     and each symbol's position in ``values`` (int32). Counting table when the value span is
     small (the usual case; fused numba passes when available), a sort otherwise."""
+    values, counts, lo, lut = symbol_counts(sym)
+    if lut is None:
+        return values, counts, np.unique(sym, return_inverse=True)[1].astype(np.int32).reshape(-1)
+    if _numba is not None:
+        index = np.empty(sym.size, dtype=np.int32)
+        _index_kernel(sym, lo, lut, index)
+        return values, counts, index
+    return values, counts, lut[sym - np.int64(lo)]
+
+
+def symbol_counts(sym: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray | None]:
+    """(values, counts, lo, lut) of an int64 stream, without the index pass of :func:`symbol_table`:
+    ``lut[v - lo]`` is value v's position in ``values`` (int32) when the value span is small enough
+    for a counting table, else None."""
     if sym.size == 0:
         z = np.zeros(0, dtype=np.int64)
-        return z, z, np.zeros(0, dtype=np.int32)
+        return z, z, 0, np.zeros(0, dtype=np.int32)
     if _numba is not None:
         lo, hi = (int(v) for v in _minmax_kernel(sym))
     else:
         lo, hi = int(sym.min()), int(sym.max())
     if hi - lo >= max(1 << 22, 2 * sym.size):
-        values, index, counts = np.unique(sym, return_inverse=True, return_counts=True)
-        return values.astype(np.int64), counts.astype(np.int64), index.astype(np.int32).reshape(-1)
+        values, counts = np.unique(sym, return_counts=True)
+        return values.astype(np.int64), counts.astype(np.int64), lo, None
     if _numba is not None:
         cnt = np.zeros(hi - lo + 1, dtype=np.int64)
         _count_kernel(sym, lo, cnt)
     else:
-        shifted = sym - np.int64(lo)
-        cnt = np.bincount(shifted, minlength=hi - lo + 1)
+        cnt = np.bincount(sym - np.int64(lo), minlength=hi - lo + 1)
     present = np.flatnonzero(cnt)
     lut = np.zeros(cnt.size, dtype=np.int32)
     lut[present] = np.arange(present.size, dtype=np.int32)
-    if _numba is not None:
-        index = np.empty(sym.size, dtype=np.int32)
-        _index_kernel(sym, lo, lut, index)
-    else:
-        index = lut[shifted]
-    return present.astype(np.int64) + np.int64(lo), cnt[present].astype(np.int64), index
+    return present.astype(np.int64) + np.int64(lo), cnt[present].astype(np.int64), lo, lut
 
 
 try:  # optional fused passes for symbol_table

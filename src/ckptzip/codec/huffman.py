@@ -37,7 +37,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from .entropy import alphabet_header, as_symbols, open_alphabet_stream, seal, symbol_table, write_varint
+from .entropy import (alphabet_header, as_symbols, open_alphabet_stream, seal, single_value_stream, symbol_table,
+                      write_varint)
 
 try:  # optional fast path
     import numba as _numba
@@ -91,10 +92,10 @@ def huffman_decode(buf, *, backend: str = "auto") -> np.ndarray:
     """Inverse of :func:`huffman_encode` -> 1-D int64 array. Corrupt input: CorruptCheckpointError."""
     fast = _pick(backend)
     r, n, values = open_alphabet_stream(buf, _MAGIC, "huffman stream")
+    single = single_value_stream(r, n, values)
+    if single is not None:
+        return single
     k = values.size
-    if k <= 1:
-        r.expect_end()
-        return np.full(n, values[0] if k else 0, dtype=np.int64)
     lengths = np.frombuffer(r.take(k), dtype=np.uint8)
     nbytes = r.varint()
     payload = np.frombuffer(r.take(nbytes), dtype=np.uint8)

@@ -94,11 +94,13 @@ HUFFMAN = _stage("huffman/1", "canonical Huffman stream 'HF' v1: codec/huffman.p
                  codec="ckptzip.codec.huffman:huffman_encode:huffman_decode")
 ANS = _stage("ans/1", "stack-ANS stream 'AN' v1 (constriction): codec/ans.py", takes=CODES,
              codec="ckptzip.codec.ans:ans_encode:ans_decode")
+RANS = _stage("rans/1", "interleaved static rANS stream 'RA' v1: codec/rans.py", takes=CODES,
+              codec="ckptzip.codec.rans:rans_encode:rans_decode")
 ZSTD_INTS = _stage("zstd-ints/1", "stream 'ZS' v1: the integers at the narrowest width, one zstd frame: "
                    "codec/entropy.zstd_encode", takes=CODES,
                    codec="ckptzip.codec.entropy:zstd_encode:zstd_decode")
 
-CODER_STAGES = {"huffman": HUFFMAN, "ans": ANS, "zstd": ZSTD_INTS}  # codec/entropy.CODERS names -> stage
+CODER_STAGES = {"huffman": HUFFMAN, "ans": ANS, "zstd": ZSTD_INTS, "rans": RANS}  # codec/entropy.CODERS names -> stage
 
 # --- exact and lossless records -----------------------------------------------------------------
 EXACT = _stage("exact/1", "the tensor's exact bytes (FORMAT section 3), stored by the next stage")

@@ -57,7 +57,8 @@ from .base import Encoded
 
 MOMENT_CODECS = ("grid", "normalized", "exact")
 _QUANTIZED_ROLES = ("exp_avg_sq", "exp_avg", "momentum_buffer")  # v first: m is normalized by the decoded v
-_GRID_CODER = ("ans", False, False)  # measured: ANS on the plain delta beats RLE + Huffman on v's codes
+# measured: an order-0 coder on the plain delta beats RLE + Huffman on v's codes
+_GRID_CODER = (qrecord.ORDER0_CODER, False, False)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import torch
 
 from ..codec import stages as S
 from ..codec.entropy import decode_codes, encode_codes
+from ..codec.rans import HAVE_NUMBA
 from ..errors import CorruptCheckpointError
 from ..quant.base import QuantizedTensor
 from ..tensorbytes import dtype_name, tensor_from_bytes, tensor_to_bytes
@@ -68,6 +69,10 @@ def store(enc: Encoded, name: str, q: QuantizedTensor, prev: Codes | None, *, me
 RECORD_META = ("domain", "k", "n_pruned", "n_protected", "adam", "prune_threshold", "sensitivity_fallback")
 
 AUTO_RUNS_ABOVE = 0.8  # share of unchanged codes above which runs of zero deltas pay for RLE
+# the order-0 coder ``auto`` picks (and the grid moment codec uses): rANS, measured 1.7x faster than
+# constriction's ANS on a chain's code streams at +0.2 % of its bytes (docs/BENCHMARKS.md, issue 15);
+# without numba its plain-Python reference would be far slower than ANS
+ORDER0_CODER = "rans" if HAVE_NUMBA else "ans"
 
 
 def choose_coder(codes: torch.Tensor, prev: Codes | None) -> tuple[str, bool, bool]:
@@ -75,17 +80,18 @@ def choose_coder(codes: torch.Tensor, prev: Codes | None) -> tuple[str, bool, bo
 
     Measured on real chains (bench/delta.py, bench/codec.py): when most codes repeat the parent's
     (late training), rearranged RLE + Huffman -- the paper's encoder -- is smallest; when many
-    change, runs are short, RLE only adds symbols, and ANS on the plain delta reaches the
-    order-0 entropy (e.g. 1.01 vs 1.54 bits/param at 50 % changed). Keyframes: ANS, no RLE.
+    change, runs are short, RLE only adds symbols, and an order-0 coder (``ORDER0_CODER``) on the
+    plain delta reaches the order-0 entropy (e.g. 1.01 vs 1.54 bits/param at 50 % changed).
+    Keyframes: the order-0 coder, no RLE.
     """
     if prev is None:
-        return "ans", False, False
+        return ORDER0_CODER, False, False
     same = 1.0
     if codes.numel():  # the share of unchanged codes as torch's fp32 mean of the 0/1 mask computes it
         # (fp32 sum / fp32 n; the sum is exact below 2**24 elements), from an exact count: no copies
         n_same = int(torch.eq(codes.reshape(-1).cpu(), prev.codes.reshape(-1)).sum())
         same = float(np.float32(n_same) / np.float32(codes.numel()))
-    return ("huffman", True, True) if same >= AUTO_RUNS_ABOVE else ("ans", False, False)
+    return ("huffman", True, True) if same >= AUTO_RUNS_ABOVE else (ORDER0_CODER, False, False)
 
 
 def is_residual(enc: Encoded, name: str) -> bool:

@@ -1,0 +1,490 @@
+"""Static interleaved rANS coding of integer streams with the empirical frequencies.
+
+Same interface as codec/ans.py (whose constriction coder it replaces where speed matters)::
+
+    buf = rans_encode(symbols)         # 1-D integers (numpy or torch) -> bytes
+    out = rans_decode(buf)             # -> 1-D numpy int64, equal to symbols
+
+The coder is ryg_rans's 64-bit rANS: state x in [L, 2**32 L), L = 2**31, 32-bit words out, the
+symbol counts normalized to a total of exactly M = 2**P, P = min(24, max(8, bit length of n))
+(as ans.py: 24 bits of resolution for long streams, a total near n keeps short streams' headers
+short). Symbol i goes to lane i mod ``lanes``: the lanes' states are independent dependency
+chains that one core runs in parallel, sharing one word stream (the encoder runs backwards,
+pushing words; the decoder reads them forwards in the same interleaved order). Each lane's
+final state costs 8 bytes, so short payloads get fewer lanes (``choose_lanes``).
+
+Encoding divides by a symbol's frequency with a reciprocal multiply (Alverson's method, as in
+ryg_rans's Rans64EncPutSymbol) on a 64x64->128-bit product; decoding looks the slot's symbol up in a
+table over the slot's top bits, then steps up the cumulative counts.
+
+Buffer, byte by byte::
+
+    b"RA" 0x01                 magic + format version
+    n (varint)                 number of symbols
+    k (varint)                 number of distinct symbols (0 iff n == 0)
+    alphabet                   zigzag varint of the smallest value, then k-1 varints (gap - 1)
+    freqs (k varints)          normalized counts in value order, each >= 1, summing to 2**P (k >= 2 only)
+    lanes (u8)                 1, 2 or 4 (k >= 2 only)
+    n_words (varint)           (k >= 2 only)
+    words (n_words x u32 LE)   each lane's final state (high word, low word), lane 0 first, then
+                               the renormalization words in decoding order (k >= 2 only)
+    crc32 (u32 LE)             of everything above
+
+A decoder that finishes with any lane's state other than L, or with words left, reports a
+corrupt stream. Speed: numba kernels (``backend="numba"``, the default when numba is installed)
+and a plain-Python reference that writes the same bytes (``backend="numpy"``; slow, for tests
+and hosts without numba).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+
+import numpy as np
+
+from ..errors import CorruptCheckpointError
+from .entropy import (alphabet_header, as_symbols, open_alphabet_stream, pack_varints, seal, single_value_stream,
+                      symbol_counts, write_varint)
+from .huffman import HAVE_NUMBA, _pick
+
+if HAVE_NUMBA:
+    import numba as _numba
+
+__all__ = ["rans_encode", "rans_decode", "normalize_counts", "choose_lanes", "PRECISION_BITS", "HAVE_NUMBA"]
+
+PRECISION_BITS = 24
+LANES = (1, 2, 4)
+_MAX_DISTINCT = 1 << 22          # as ans.py: >= 4 units of 2**24 per symbol on average
+_MAGIC = b"RA\x01"
+_L = 1 << 31                     # lower bound of a lane's state
+_MASK32 = (1 << 32) - 1
+_LUT_BITS = 12                   # decode table over the slot's top bits: 16 KiB, in L1
+# bytes of payload per extra lane: a lane's flush costs ~6 bytes over a single state's, so more
+# lanes pay only where that stays near 0.1 % of the payload (docs/BENCHMARKS.md, issue 15)
+_LANE_PAYLOAD = {4: 12_000, 2: 3_000}
+
+
+# =========================================================================== public API
+def rans_encode(symbols, *, lanes: int | None = None, backend: str = "auto") -> bytes:
+    """Encode a 1-D integer stream under its own empirical distribution. ``lanes``: 1, 2 or 4
+    interleaved states (None: by payload size, ``choose_lanes``). ``backend``: "auto" (numba if
+    installed), "numba" or "numpy" (the plain reference, same bytes)."""
+    fast = _pick(backend)
+    sym = as_symbols(symbols)
+    values, counts, lo, lut = symbol_counts(sym)
+    if lut is None:  # a sparse alphabet: the kernels read positions in values
+        sym, lo, lut = np.searchsorted(values, sym).astype(np.int32), 0, np.arange(values.size, dtype=np.int32)
+    k = values.size
+    if k > _MAX_DISTINCT:
+        raise ValueError(f"{k} distinct symbols exceed the rANS coder's {_MAX_DISTINCT}; "
+                         "use the 'huffman' or 'zstd' coder")
+    out = alphabet_header(_MAGIC, sym.size, values)
+    if k < 2:
+        return seal(out)
+    P = precision_bits(sym.size)
+    freqs = normalize_counts(counts, P, backend=backend)
+    cost = _cost(counts, freqs, P)
+    if lanes is None:
+        lanes = choose_lanes(cost)
+    if lanes not in LANES:
+        raise ValueError(f"lanes must be one of {LANES}, got {lanes}")
+    # a symbol adds at most its cost + log2(1 + M/L) bits to its lane's state (x' <= x M/f + M),
+    # so the words pushed fit this bound (the kernel's buffer)
+    cap = int(math.ceil((cost + sym.size * _GROWTH_SLACK * 2.0 ** (P - 31)) / 32 * (1 + 1e-9))) + 2 + lanes
+    words = (_encode_numba if fast else _encode_python)(sym, lo, lut, freqs, P, lanes, cap)
+    out += pack_varints(freqs)
+    out.append(lanes)
+    write_varint(out, words.size)
+    out += words.astype("<u4", copy=False).tobytes()
+    return seal(out)
+
+
+def rans_decode(buf, *, backend: str = "auto") -> np.ndarray:
+    """Inverse of :func:`rans_encode` -> 1-D int64 array. Corrupt input: CorruptCheckpointError."""
+    fast = _pick(backend)
+    r, n, values = open_alphabet_stream(buf, _MAGIC, "rans stream", max_k=_MAX_DISTINCT)
+    single = single_value_stream(r, n, values)
+    if single is not None:
+        return single
+    k = values.size
+    freqs = r.varints(k)
+    lanes = r.u8()
+    n_words = r.varint()
+    words = np.frombuffer(r.take(4 * n_words), dtype="<u4")
+    r.expect_end()
+    fmax = int(freqs.max())
+    total = int(freqs.sum()) if fmax <= 1 << PRECISION_BITS else 0
+    P = total.bit_length() - 1
+    if int(freqs.min()) < 1 or total != 1 << P or not 1 <= P <= PRECISION_BITS:
+        raise CorruptCheckpointError("rans stream frequencies must be >= 1 and sum to a power of two <= 2**24")
+    if lanes not in LANES or n_words < 2 * lanes:
+        raise CorruptCheckpointError(f"rans stream has {lanes} lanes and {n_words} words")
+    # pushing a symbol of frequency f grows a state x >= 2**(31-P) f by a factor of at least
+    # 1 + (2**P - f) / f * (1 - 2**(P-31)) (x' - x = q (2**P - f) + start, q = x // f), and the
+    # lanes' states end below 2**63 having started at L: the words bound the symbol count before
+    # the output is allocated (a stream of one symbol at p ~ 1 - 2**-24 does hold ~3.7e8 a word)
+    grow = math.log2(1 + ((1 << P) - fmax) / fmax * (1 - 2.0 ** (P - 31)))
+    if n * grow > 32 * (n_words - lanes) + 1:
+        raise CorruptCheckpointError(f"rans payload of {n_words} words cannot hold {n} symbols")
+    out = np.empty(n, dtype=np.int64)
+    ok = (_decode_kernel if fast else _decode_python)(words, n, lanes, freqs.astype(np.uint64), P, values, out)
+    if not ok:
+        raise CorruptCheckpointError("rans payload does not decode: truncated, or its states do not end where "
+                                     "its symbols end")
+    return out
+
+
+def precision_bits(n: int) -> int:
+    """P of a stream of ``n`` symbols (its frequencies sum to 2**P)."""
+    return min(PRECISION_BITS, max(8, int(n).bit_length()))
+
+
+def normalize_counts(counts, precision_bits: int, *, backend: str = "auto") -> np.ndarray:
+    """Positive counts -> uint64 frequencies summing to exactly 2**precision_bits, each >= 1:
+    the rounded scaled counts, the rounding's total error taken up by the most frequent symbol
+    (too large an error for it, e.g. many symbols forced up to 1: a proportional share from
+    every frequency above 1, then one unit at a time from the largest)."""
+    counts = np.ascontiguousarray(counts, dtype=np.int64)
+    M = 1 << precision_bits
+    if counts.size > M:
+        raise ValueError(f"{counts.size} symbols cannot share a total of 2**{precision_bits}")
+    q = np.empty(counts.size, dtype=np.int64)
+    if (_round_counts if _pick(backend) else _round_counts_py)(counts, precision_bits, q):
+        return q.astype(np.uint64)
+    rem = M - int(q.sum())
+    if rem > 0:  # pragma: no cover - the largest symbol takes any positive remainder
+        q[np.argmax(q)] += rem
+    else:
+        spare = q - 1
+        take = np.floor(spare * (-rem / spare.sum())).astype(np.int64)
+        q -= take
+        rem += int(take.sum())
+        for i in np.argsort(-q, kind="stable"):
+            if rem == 0:
+                break
+            d = min(-rem, int(q[i]) - 1)
+            q[i] -= d
+            rem += d
+    return q.astype(np.uint64)
+
+
+def choose_lanes(payload_bits: float) -> int:
+    """Interleaved states for a payload of about ``payload_bits``."""
+    for lanes, min_bytes in _LANE_PAYLOAD.items():
+        if payload_bits >= 8 * min_bytes:
+            return lanes
+    return 1
+
+
+# =========================================================================== internals
+_GROWTH_SLACK = 1.5   # log2(1 + d) <= 1.4427 d: a state grows by at most cost + 1.5 M / L bits
+
+
+def _cost(counts: np.ndarray, freqs: np.ndarray, P: int) -> float:
+    """Bits the model charges the stream: sum of counts * -log2(f / 2**P)."""
+    return float(np.dot(counts.astype(np.float64), P - np.log2(freqs.astype(np.float64))))
+
+
+def _round_counts_py(counts, P, q):
+    """q = max(1, rint(count * 2**P / n)); the error of the total goes to the most frequent symbol
+    when that leaves it >= half its rounded share. False: left to normalize_counts's general path."""
+    M = 1 << P
+    n = 0
+    for c in counts:
+        n += c
+    scale = M / n
+    top = 0
+    total = 0
+    for i in range(counts.size):
+        v = max(1, int(np.rint(counts[i] * scale)))
+        q[i] = v
+        total += v
+        if counts[i] > counts[top]:
+            top = i
+    d = M - total
+    if 2 * (q[top] + d) < q[top]:
+        return False
+    q[top] += d
+    return True
+
+
+def _starts(freqs: np.ndarray) -> np.ndarray:
+    """Cumulative frequencies, k + 1 entries (the last is 2**P)."""
+    return np.concatenate(([0], np.cumsum(freqs, dtype=np.uint64))).astype(np.uint64)
+
+
+def _flush(states) -> list[int]:
+    return [w for x in states for w in (int(x) >> 32, int(x) & _MASK32)]
+
+
+def _encode_python(sym, lo, lut, freqs, P, lanes, cap) -> np.ndarray:
+    """Reference encoder: exact integer division, one symbol at a time."""
+    index = lut[sym - lo]
+    f, st = freqs.tolist(), _starts(freqs).tolist()
+    x = [_L] * lanes
+    pushed = []
+    xmax_unit = (_L >> P) << 32
+    for i in range(len(index) - 1, -1, -1):
+        j, s = i % lanes, int(index[i])
+        xj, fs = x[j], f[s]
+        if xj >= xmax_unit * fs:
+            pushed.append(xj & _MASK32)
+            xj >>= 32
+        x[j] = ((xj // fs) << P) + xj % fs + st[s]
+    if len(pushed) > cap:
+        raise AssertionError("rans encoder pushed more words than its bound")  # pragma: no cover
+    return np.array(_flush(x) + pushed[::-1], dtype=np.uint32)
+
+
+def _decode_python(words, n, lanes, freqs, P, values, out) -> bool:
+    """Reference decoder: Python integers, the symbol by binary search of the cumulative counts."""
+    f, st = freqs.tolist(), _starts(freqs).tolist()
+    w = words.tolist()
+    x = [(w[2 * j] << 32) | w[2 * j + 1] for j in range(lanes)]
+    pos, mask = 2 * lanes, (1 << P) - 1
+    for i in range(n):
+        j = i % lanes
+        slot = x[j] & mask
+        s = bisect.bisect_right(st, slot) - 1
+        out[i] = values[s]
+        xj = f[s] * (x[j] >> P) + slot - st[s]
+        if xj < _L:
+            if pos >= len(w):
+                return False
+            xj = (xj << 32) | w[pos]
+            pos += 1
+        x[j] = xj
+    return pos == len(w) and all(v == _L for v in x)
+
+
+def _encode_numba(sym, lo, lut, freqs, P, lanes, cap) -> np.ndarray:
+    out = np.empty(cap + 2 * lanes, dtype=np.uint32)
+    pos = _encode_kernel(sym, lo, lut, freqs, P, lanes, out)
+    if pos < 0:  # past the bound (it holds: never seen); a symbol pushes at most one word
+        out = np.empty(sym.size + 4 * lanes + 1, dtype=np.uint32)  # pragma: no cover
+        pos = _encode_kernel(sym, lo, lut, freqs, P, lanes, out)  # pragma: no cover
+    return out[pos:]
+
+
+if HAVE_NUMBA:
+    from llvmlite import ir as _ir
+    from numba import types as _types
+    from numba.core.extending import intrinsic as _intrinsic
+
+    _round_counts = _numba.njit(cache=True, nogil=True)(_round_counts_py)
+
+    @_intrinsic
+    def _mulhi(typingctx, a, b):  # pragma: no cover - compiled
+        """High 64 bits of the 128-bit product of two uint64: one multiply instruction."""
+        def codegen(context, builder, signature, args):
+            i128 = _ir.IntType(128)
+            p = builder.mul(builder.zext(args[0], i128), builder.zext(args[1], i128))
+            return builder.trunc(builder.lshr(p, _ir.Constant(i128, 64)), _ir.IntType(64))
+        return _types.uint64(_types.uint64, _types.uint64), codegen
+
+    _U32 = np.uint64(32)
+    _LO = np.uint64(_MASK32)
+    _UL = np.uint64(_L)
+
+    @_numba.njit(cache=True, nogil=True)
+    def _encode_tables(freqs, P):  # pragma: no cover - compiled
+        """(k, 4) uint64 rows the encode kernel reads per symbol (Rans64EncSymbolInit): x_max
+        (renormalize at or above it), the reciprocal of f, the bias, and 2**P - f | shift << 32;
+        q = mulhi(x, rcp) >> shift is x // f for every state x < 2**63 (Alverson)."""
+        M = np.uint64(1) << np.uint64(P)
+        unit = np.uint64(((1 << 31) >> P) << 32)
+        t = np.empty((freqs.size, 4), dtype=np.uint64)
+        start = np.uint64(0)
+        for s in range(freqs.size):
+            f = freqs[s]
+            t[s, 0] = unit * f
+            if f == 1:  # x // 1: rcp 2**64 - 1 gives q = x - 1 at shift 0; the bias adds M - 1
+                t[s, 1] = np.uint64(0xFFFFFFFFFFFFFFFF)
+                t[s, 2] = start + M - np.uint64(1)
+                t[s, 3] = M - f
+            else:
+                shift = np.uint64(0)
+                while f > (np.uint64(1) << shift):
+                    shift += np.uint64(1)
+                x1 = np.uint64(1) << (shift + np.uint64(31))
+                t1 = x1 // f
+                t0 = (f - np.uint64(1) + ((x1 % f) << _U32)) // f
+                t[s, 1] = t0 + (t1 << _U32)
+                t[s, 2] = start
+                t[s, 3] = (M - f) | ((shift - np.uint64(1)) << _U32)
+            start += f
+        return t
+
+    @_numba.njit(inline="always")
+    def _enc(x, t, s):  # pragma: no cover - compiled
+        """Push symbol s onto state x -> (new state, low word, whether the word is emitted)."""
+        e = x >= t[s, 0]
+        w = np.uint32(x & _LO)
+        if e:
+            x >>= _U32
+        c = t[s, 3]
+        q = _mulhi(x, t[s, 1]) >> (c >> _U32)
+        return x + t[s, 2] + q * (c & _LO), w, e
+
+    @_numba.njit(cache=True, nogil=True)
+    def _encode_kernel(sym, lo, lut, freqs, P, lanes, out):  # pragma: no cover - compiled
+        """Encode sym (backwards; symbol v has rank lut[v - lo]) into out's tail, the lanes' final
+        states in front -> the first word's position (-1: out too short). Words are stored always,
+        kept when emitted."""
+        t = _encode_tables(freqs, P)
+        pos = out.size
+        x0 = x1 = x2 = x3 = _UL
+        i = sym.size - 1
+        while i >= 0 and i % lanes != lanes - 1:  # the tail of a partial group: lane = i % lanes
+            j = i % lanes
+            if j == 0:
+                x0, w, e = _enc(x0, t, lut[sym[i] - lo])
+            elif j == 1:
+                x1, w, e = _enc(x1, t, lut[sym[i] - lo])
+            else:
+                x2, w, e = _enc(x2, t, lut[sym[i] - lo])
+            out[pos - 1] = w
+            pos -= np.int64(e)
+            i -= 1
+        # whole groups, one loop per lane count (a lane test inside the loop costs ~25 %); each
+        # group first checks room for its words and the lanes' flush in front
+        if lanes == 4:
+            while i >= 3:
+                if pos <= 12:
+                    return -1
+                x3, w, e = _enc(x3, t, lut[sym[i] - lo])
+                out[pos - 1] = w
+                pos -= np.int64(e)
+                x2, w, e = _enc(x2, t, lut[sym[i - 1] - lo])
+                out[pos - 1] = w
+                pos -= np.int64(e)
+                x1, w, e = _enc(x1, t, lut[sym[i - 2] - lo])
+                out[pos - 1] = w
+                pos -= np.int64(e)
+                x0, w, e = _enc(x0, t, lut[sym[i - 3] - lo])
+                out[pos - 1] = w
+                pos -= np.int64(e)
+                i -= 4
+        elif lanes == 2:
+            while i >= 1:
+                if pos <= 6:
+                    return -1
+                x1, w, e = _enc(x1, t, lut[sym[i] - lo])
+                out[pos - 1] = w
+                pos -= np.int64(e)
+                x0, w, e = _enc(x0, t, lut[sym[i - 1] - lo])
+                out[pos - 1] = w
+                pos -= np.int64(e)
+                i -= 2
+        else:
+            while i >= 0:
+                if pos <= 3:
+                    return -1
+                x0, w, e = _enc(x0, t, lut[sym[i] - lo])
+                out[pos - 1] = w
+                pos -= np.int64(e)
+                i -= 1
+        pos -= 2 * lanes
+        for j in range(lanes):
+            x = x0 if j == 0 else x1 if j == 1 else x2 if j == 2 else x3
+            out[pos + 2 * j] = np.uint32(x >> _U32)
+            out[pos + 2 * j + 1] = np.uint32(x & _LO)
+        return pos
+
+    @_numba.njit(inline="always")
+    def _dec(x, freqs, st, lut, tshift, P, mask):  # pragma: no cover - compiled
+        """Pop one symbol off state x -> (its alphabet index, the state before renormalizing)."""
+        slot = x & mask
+        s = lut[slot >> tshift]
+        while st[s + 1] <= slot:
+            s += 1
+        return s, freqs[s] * (x >> P) + slot - st[s]
+
+    @_numba.njit(inline="always")
+    def _refill(x, word, pos):  # pragma: no cover - compiled
+        """A state below L takes the next word (past the last word: the zero pad; the position
+        still moves on, and the decoder's end check fails)."""
+        if x < _UL:
+            x = (x << _U32) | np.uint64(word)
+            pos += 1
+        return x, pos
+
+    @_numba.njit(cache=True, nogil=True)
+    def _decode_kernel(words, n, lanes, freqs, P, values, out):  # pragma: no cover - compiled
+        """Decode n symbols into out -> False when the words run out, or do not end with every
+        lane back at L. The symbol of a slot: a table over its top bits gives the first candidate,
+        then the cumulative counts are stepped up (rarely more than one step)."""
+        k = freqs.size
+        st = np.empty(k + 1, dtype=np.uint64)
+        st[0] = 0
+        for s in range(k):
+            st[s + 1] = st[s] + freqs[s]
+        kb = 0
+        while (1 << kb) <= k:
+            kb += 1
+        tbits = min(P, max(_LUT_BITS, kb + 1))
+        lut = np.empty(1 << tbits, dtype=np.int32)
+        s = 0
+        for b in range(1 << tbits):
+            v = np.uint64(b) << np.uint64(P - tbits)
+            while st[s + 1] <= v:
+                s += 1
+            lut[b] = s
+        mask = np.uint64((1 << P) - 1)
+        up = np.uint64(P)
+        ts = np.uint64(P - tbits)
+        nw = words.size
+        padded = np.zeros(nw + 1, dtype=np.uint32)  # words[min(pos, nw)] is always a valid read
+        padded[:nw] = words
+        x = np.full(4, _UL, dtype=np.uint64)
+        for j in range(lanes):
+            x[j] = (np.uint64(words[2 * j]) << _U32) | np.uint64(words[2 * j + 1])
+        x0, x1, x2, x3 = x[0], x[1], x[2], x[3]
+        pos = 2 * lanes
+        i = 0
+        whole = n - n % lanes
+        # one loop per lane count, as in the encoder
+        if lanes == 4:
+            while i < whole:
+                s, x0 = _dec(x0, freqs, st, lut, ts, up, mask)
+                out[i] = values[s]
+                s, x1 = _dec(x1, freqs, st, lut, ts, up, mask)
+                out[i + 1] = values[s]
+                s, x2 = _dec(x2, freqs, st, lut, ts, up, mask)
+                out[i + 2] = values[s]
+                s, x3 = _dec(x3, freqs, st, lut, ts, up, mask)
+                out[i + 3] = values[s]
+                x0, pos = _refill(x0, padded[min(pos, nw)], pos)
+                x1, pos = _refill(x1, padded[min(pos, nw)], pos)
+                x2, pos = _refill(x2, padded[min(pos, nw)], pos)
+                x3, pos = _refill(x3, padded[min(pos, nw)], pos)
+                i += 4
+        elif lanes == 2:
+            while i < whole:
+                s, x0 = _dec(x0, freqs, st, lut, ts, up, mask)
+                out[i] = values[s]
+                s, x1 = _dec(x1, freqs, st, lut, ts, up, mask)
+                out[i + 1] = values[s]
+                x0, pos = _refill(x0, padded[min(pos, nw)], pos)
+                x1, pos = _refill(x1, padded[min(pos, nw)], pos)
+                i += 2
+        else:
+            while i < whole:
+                s, x0 = _dec(x0, freqs, st, lut, ts, up, mask)
+                out[i] = values[s]
+                x0, pos = _refill(x0, padded[min(pos, nw)], pos)
+                i += 1
+        for j in range(n - whole):  # a partial group: lanes 0, 1, 2
+            xj = x0 if j == 0 else x1 if j == 1 else x2
+            s, xj = _dec(xj, freqs, st, lut, ts, up, mask)
+            out[i + j] = values[s]
+            xj, pos = _refill(xj, padded[min(pos, nw)], pos)
+            if j == 0:
+                x0 = xj
+            elif j == 1:
+                x1 = xj
+            else:
+                x2 = xj
+        return pos == nw and x0 == _UL and x1 == _UL and x2 == _UL and x3 == _UL
+else:  # pragma: no cover
+    _round_counts = _encode_kernel = _decode_kernel = None

@@ -1,0 +1,129 @@
+"""Interleaved static rANS coder (codec/rans.py): round trips, numba kernels == the reference,
+size against constriction's ANS, hostile buffers, and a dynaquant chain coded with it."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ckptzip.codec import entropy as E
+from ckptzip.codec import rans as R
+from ckptzip.errors import CorruptCheckpointError
+
+BACKENDS = ["numpy", "numba"] if R.HAVE_NUMBA else ["numpy"]
+
+
+def streams():
+    rng = np.random.default_rng(0)
+    yield "empty", np.zeros(0, dtype=np.int64)
+    yield "one", np.array([7], dtype=np.int64)
+    yield "one-value", np.full(300, -9, dtype=np.int64)
+    yield "two-skewed", np.where(np.arange(3001) == 1234, 5, -5)            # p = 1 - 1/3001
+    yield "sign", (rng.random(2001) < 0.96).astype(np.int64)
+    yield "many-distinct", rng.permutation(np.arange(-700, 1300))          # every count 1: P > log2 n
+    yield "negative-zipf", rng.zipf(1.5, 3003).astype(np.int64) * -1
+    yield "wide", rng.choice(np.array([-(1 << 63), 0, (1 << 63) - 1]), 1002)
+    # a real Adam exp_avg's 8192 1-bit direction codes (tests/test_ans.py: under the naive size bound)
+    sign = (Path(__file__).parent / "data" / "ans_sign_stream.bin").read_bytes()
+    yield "real-sign", np.unpackbits(np.frombuffer(sign, dtype=np.uint8)).astype(np.int64)
+
+
+@pytest.mark.parametrize("name,x", list(streams()))
+def test_round_trip_every_lane_count_and_backends_agree(name, x):
+    for lanes in R.LANES:
+        bufs = {b: R.rans_encode(x, lanes=lanes, backend=b) for b in BACKENDS}
+        assert len(set(bufs.values())) == 1, f"{name}: kernel bytes differ from the reference"
+        for b in BACKENDS:
+            out = R.rans_decode(bufs["numpy"], backend=b)
+            assert out.dtype == np.int64 and np.array_equal(out, x), (name, lanes, b)
+
+
+def test_large_stream_and_torch_input():
+    rng = np.random.default_rng(1)
+    x = torch.from_numpy(rng.geometric(0.4, 1_000_003)).to(torch.int16)     # 4 lanes, a partial group
+    buf = R.rans_encode(x)
+    assert np.array_equal(R.rans_decode(buf), x.numpy())
+    assert E.entropy_bits(x) / 8 <= len(buf) <= 1.001 * E.entropy_bits(x) / 8 + 64
+
+
+def test_skewed_streams_cost_about_what_ans_costs():
+    pytest.importorskip("constriction")
+    from ckptzip.codec.ans import ans_encode
+
+    rng = np.random.default_rng(2)
+    for p, n in ((0.95, 40_000), (0.995, 200_000), (0.6, 30_000)):
+        x = (rng.random(n) > p).astype(np.int64)
+        a, r = len(ans_encode(x)), len(R.rans_encode(x))
+        assert r <= 1.005 * a + 8, (p, n, r, a)
+    x = rng.choice(4, 100_000, p=[0.9, 0.06, 0.03, 0.01])                 # 2-bit codes
+    assert len(R.rans_encode(x)) <= 1.005 * len(ans_encode(x)) + 8
+
+
+def test_normalize_counts_sums_to_the_total():
+    for counts, P in (([1, 10**9, 5], 24), ([3, 1], 8), ([1] * 3000 + [10**6], 12)):   # the last forces 1s
+        q = R.normalize_counts(np.array(counts), P)
+        assert int(q.sum()) == 1 << P and int(q.min()) >= 1
+        assert int(q.argmax()) == int(np.argmax(counts))
+    with pytest.raises(ValueError, match="cannot share"):
+        R.normalize_counts(np.ones(300, dtype=np.int64), 8)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_truncated_flipped_and_forged_buffers_raise(backend):
+    rng = np.random.default_rng(3)
+    x = rng.geometric(0.2, 600).astype(np.int64)
+    buf = R.rans_encode(x, lanes=2)
+    for cut in range(len(buf)):
+        with pytest.raises(CorruptCheckpointError):
+            R.rans_decode(buf[:cut], backend=backend)
+    for bit in random.Random(0).sample(range(8 * len(buf)), 120):
+        bad = bytearray(buf)
+        bad[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(CorruptCheckpointError):
+            R.rans_decode(bytes(bad), backend=backend)
+    # behind a valid CRC: garbage words, other lane counts, a huge n
+    body = bytearray(buf[:-4])
+    body[-9] ^= 0x5A
+    with pytest.raises(CorruptCheckpointError):
+        R.rans_decode(E.seal(bytes(body)), backend=backend)
+    for forged in (_forge(x, lanes=3), _forge(x, n=1 << 40), _forge(x, freq_bump=1)):
+        with pytest.raises(CorruptCheckpointError):
+            R.rans_decode(forged, backend=backend)
+
+
+def _forge(x, *, lanes=None, n=None, freq_bump=0) -> bytes:
+    """x's stream rebuilt field by field with one field replaced (resealed)."""
+    r, n0, values = E.open_alphabet_stream(R.rans_encode(x, lanes=1), b"RA\x01", "t")
+    freqs = r.varints(values.size)
+    freqs[0] += np.uint64(freq_bump)
+    r.u8()
+    words = bytes(r.take(4 * r.varint()))
+    out = E.alphabet_header(b"RA\x01", n0 if n is None else n, values)
+    out += E.pack_varints(freqs)
+    out.append(1 if lanes is None else lanes)
+    E.write_varint(out, len(words) // 4)
+    return E.seal(bytes(out) + words)
+
+
+def test_dynaquant_chain_with_the_rans_coder(tmp_path, digits_snapshots):
+    """A chain coded with rans restores bit for bit what the same chain coded with zstd restores
+    (same quantization; the coders are lossless)."""
+    from helpers import assert_same
+
+    from ckptzip import CheckpointChain
+    from ckptzip.format import decode_container
+
+    model, opt, snaps, _ = digits_snapshots
+    chains = {c: CheckpointChain(tmp_path / c, "dynaquant", {"codes": {"coder": c, "rearrange": False, "rle": False}})
+              for c in ("rans", "zstd")}
+    for i, s in enumerate(snaps[:3]):
+        for ch in chains.values():
+            e = ch.save({"model": s.model, "optimizer": s.optimizer}, i + 1, model=model, optimizer=opt)
+    recs = decode_container(chains["rans"].storage.read(e.file)).manifest["records"].values()
+    weights = [r["pipeline"] for r in recs if r["pipeline"][0] == "dynaquant/1"]
+    assert weights and all(p[-1] == "rans/1" for p in weights)
+    for step in (1, 3):
+        assert_same(chains["rans"].load(step), chains["zstd"].load(step))
