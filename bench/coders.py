@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ckptzip.codec import entropy as E  # noqa: E402
+from ckptzip.codec import streamframe as S  # noqa: E402
 
 
 def tapped_saves(states: list[dict], coder: str | None = None) -> tuple[list[np.ndarray], list[tuple]]:
@@ -43,7 +44,7 @@ def tapped_saves(states: list[dict], coder: str | None = None) -> tuple[list[np.
         if name not in ("ans", "rans"):
             return encode_stream(name, symbols)
         if coder is None:
-            streams.append(E.as_symbols(symbols).copy())
+            streams.append(S.as_symbols(symbols).copy())
         t0 = time.thread_time()
         out = encode_stream(coder or name, symbols)
         acc[0] += time.thread_time() - t0

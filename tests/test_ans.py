@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ckptzip.codec import entropy as E
+from ckptzip.codec import streamframe as S
 from ckptzip.codec.ans import ans_decode, ans_encode, quantize_counts
 from ckptzip.errors import CorruptCheckpointError
 
@@ -69,7 +70,7 @@ def test_payload_garbage_behind_valid_crc_is_detected():
     body = bytearray(ans_encode(x)[:-4])
     body[-5] ^= 0xFF                                            # inside the compressed words
     with pytest.raises(CorruptCheckpointError):
-        ans_decode(E.seal(bytes(body)))
+        ans_decode(S.seal(bytes(body)))
 
 
 @pytest.mark.parametrize("coder", sorted(E.CODERS))
@@ -95,20 +96,20 @@ def test_zstd_picks_narrow_width_and_rejects_corruption():
 
 def test_varints_vectorized_match_scalar():
     vals = np.array([0, 1, 127, 128, 300, (1 << 35) + 5, (1 << 64) - 1], dtype=np.uint64)
-    packed = E.pack_varints(vals)
+    packed = S.pack_varints(vals)
     scalar = bytearray()
     for v in vals.tolist():
-        E.write_varint(scalar, v)
+        S.write_varint(scalar, v)
     assert packed == bytes(scalar)
     for reps in (1, 3):  # 7 values: the reader's plain loop; 21: its vectorized form
         many = np.tile(vals, reps)
-        r = E.ByteReader(E.pack_varints(many), "test")
+        r = S.ByteReader(S.pack_varints(many), "test")
         assert r.varints(len(many)).tolist() == many.tolist()
         r.expect_end()
         with pytest.raises(CorruptCheckpointError):
-            E.ByteReader(E.pack_varints(many)[:-1], "test").varints(len(many))
+            S.ByteReader(S.pack_varints(many)[:-1], "test").varints(len(many))
     with pytest.raises(CorruptCheckpointError):
-        E.ByteReader(b"\x80" * 11, "test").varint()
+        S.ByteReader(b"\x80" * 11, "test").varint()
 
 
 def test_stream_under_the_naive_size_bound_decodes():
@@ -123,7 +124,7 @@ def test_stream_under_the_naive_size_bound_decodes():
 @pytest.mark.parametrize("name,x", [*streams(), ("span-9000", np.random.default_rng(1).integers(-9, 8991, 20_001))])
 def test_symbol_table_matches_numpy_unique(name, x):
     # the counting passes (four interleaved tables for small alphabets, one above 4096 values)
-    values, counts, index = E.symbol_table(x)
+    values, counts, index = S.symbol_table(x)
     want, inverse, want_counts = np.unique(x, return_inverse=True, return_counts=True)
     assert np.array_equal(values, want) and np.array_equal(counts, want_counts)
     assert index.dtype == np.int32 and np.array_equal(index, inverse.reshape(-1))

@@ -57,6 +57,15 @@ def test_restore_is_bit_exact_and_resumes_identically(tmp_path):
         assert torch.equal(m2.state_dict()[k], v), k  # RNG, optimizer, scheduler all restored exactly
 
 
+def test_checksum_choice_reaches_the_files(tmp_path):
+    m, o, s = build(0)
+    with ckptzip.Compressor(m, o, tmp_path / "c", checksum="crc32") as ck:
+        ck.save(train_steps(m, o, s, 3, 0))
+        assert ck.chain.manifest(3)["format_version"] == 2  # CRC-32 blob checksums
+    with pytest.raises(ValueError, match="checksum"):
+        ckptzip.Compressor(m, o, tmp_path / "d", checksum="md5")
+
+
 def test_older_step_and_missing_step(tmp_path):
     m, o, s = build(0)
     ck = ckptzip.Compressor(m, o, tmp_path / "c")

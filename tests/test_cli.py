@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+from ckptzip.chain import CheckpointChain
 from ckptzip.cli import app, main
 from helpers import assert_same
 
@@ -211,6 +212,12 @@ def test_trainer_folder_compress_restore(run, tmp_path):
     r = cli("restore", chain, "--out", tmp_path / "full.pt")
     full = torch.load(tmp_path / "full.pt", weights_only=True)
     assert full["step"] == s2.step and full["files"]["config.json"] == b'{"hidden": 128}'
+    crc = tmp_path / "crc"
+    assert cli("compress", d1, "--out", crc, "--checksum", "crc32").exit_code == 0
+    assert CheckpointChain(str(crc)).manifest(s1.step)["format_version"] == 2
+    r = cli("compress", d1, "--out", tmp_path / "md5", "--checksum", "md5")
+    assert r.exit_code == 2 and "--checksum must be one of sha256, crc32" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "md5").exists()
 
 
 def test_demo_bad_arguments_and_entry_point(capsys):

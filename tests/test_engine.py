@@ -254,7 +254,7 @@ def test_compressor_async_save(tmp_path):
             opt.step()
 
     url = tmp_path / "ck"
-    ck = ckptzip.Compressor(model, opt, url, "lossless", async_save=True)
+    ck = ckptzip.Compressor(model, opt, url, "lossless", async_save=True, checksum="crc32")
     try:
         train(3)
         h = ck.save(3)
@@ -267,6 +267,7 @@ def test_compressor_async_save(tmp_path):
     finally:
         ck.close()
     assert no_segments(url)
+    assert CheckpointChain(url).manifest(6)["format_version"] == 2  # the agent wrote the checksum asked for
     model2 = DigitsMLP(32)
     opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
     ck2 = ckptzip.Compressor(model2, opt2, url, "lossless")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ckptzip.codec import entropy as E
+from ckptzip.codec import streamframe as S
 from ckptzip.codec import rans as R
 from ckptzip.errors import CorruptCheckpointError
 
@@ -88,7 +89,7 @@ def test_truncated_flipped_and_forged_buffers_raise(backend):
     body = bytearray(buf[:-4])
     body[-9] ^= 0x5A
     with pytest.raises(CorruptCheckpointError):
-        R.rans_decode(E.seal(bytes(body)), backend=backend)
+        R.rans_decode(S.seal(bytes(body)), backend=backend)
     for forged in (_forge(x, lanes=3), _forge(x, n=1 << 40), _forge(x, freq_bump=1)):
         with pytest.raises(CorruptCheckpointError):
             R.rans_decode(forged, backend=backend)
@@ -96,16 +97,16 @@ def test_truncated_flipped_and_forged_buffers_raise(backend):
 
 def _forge(x, *, lanes=None, n=None, freq_bump=0) -> bytes:
     """x's stream rebuilt field by field with one field replaced (resealed)."""
-    r, n0, values = E.open_alphabet_stream(R.rans_encode(x, lanes=1), b"RA\x01", "t")
+    r, n0, values = S.open_alphabet_stream(R.rans_encode(x, lanes=1), b"RA\x01", "t")
     freqs = r.varints(values.size)
     freqs[0] += np.uint64(freq_bump)
     r.u8()
     words = bytes(r.take(4 * r.varint()))
-    out = E.alphabet_header(b"RA\x01", n0 if n is None else n, values)
-    out += E.pack_varints(freqs)
+    out = S.alphabet_header(b"RA\x01", n0 if n is None else n, values)
+    out += S.pack_varints(freqs)
     out.append(1 if lanes is None else lanes)
-    E.write_varint(out, len(words) // 4)
-    return E.seal(bytes(out) + words)
+    S.write_varint(out, len(words) // 4)
+    return S.seal(bytes(out) + words)
 
 
 def test_dynaquant_chain_with_the_rans_coder(tmp_path, digits_snapshots):

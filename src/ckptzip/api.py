@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from .chain import CheckpointChain, Entry, KeyframePolicy, RetentionPolicy
-from .configcheck import Range, check_arg, check_args
+from .configcheck import OneOf, Range, check_arg, check_args
 from .errors import ConfigError
 from .fitcheck import check_fits
+from .format import CHECKSUMS
 from .methods.base import EncodeContext, searches
 
 
@@ -30,7 +31,8 @@ ARGS = {"threshold": (float, Range(ge=0, lt=1, note=" (a relative degradation)")
         "keyframe": (KeyframePolicy | None, None), "retention": (RetentionPolicy | None, None),
         "extra_state": (Callable | None, None), "storage_options": (dict | None, None),
         "save_every": (int | None, Range(ge=1)), "grad_window": (int, Range(ge=1)),
-        "async_save": (bool, None), "takeover": (bool, None), "restores": (int, Range(ge=0))}
+        "async_save": (bool, None), "takeover": (bool, None), "restores": (int, Range(ge=0)),
+        "checksum": (str, OneOf(tuple(CHECKSUMS)))}
 
 
 def rng_state() -> dict:
@@ -87,6 +89,8 @@ class Compressor:
     Gradient capture for DynaQuant's sensitivity metric installs itself: hooks record a gradient
     EMA only in the ``grad_window`` backward passes before a save (the save interval is learned
     from the first saves, or given as ``save_every``); outside that window they cost nothing.
+    ``checksum``: each blob's checksum in the files written, ``"sha256"`` (default) or ``"crc32"``
+    (faster, against accidental corruption only; format version 2: CheckpointChain says more).
 
     ``async_save=True`` keeps the config search; ``save`` copies the state and returns. Where the
     search runs:
@@ -108,13 +112,13 @@ class Compressor:
                  keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
                  storage_options: dict | None = None, save_every: int | None = None, grad_window: int = 50,
                  async_save: bool = False, engine_options=None, takeover: bool = False, restores: int = 10,
-                 base=None):
+                 base=None, checksum: str = "sha256"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         check_args("Compressor", ARGS, threshold=threshold, eval_fn=eval_fn, higher_is_better=higher_is_better,
                    keyframe=keyframe, retention=retention, extra_state=extra_state, storage_options=storage_options,
                    save_every=save_every, grad_window=grad_window, async_save=async_save, takeover=takeover,
-                   restores=restores)
+                   restores=restores, checksum=checksum)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.eval_fn, self.threshold, self.higher_is_better = eval_fn, threshold, higher_is_better
         self.budget = checkpoint_budget(threshold, restores)
@@ -123,7 +127,8 @@ class Compressor:
             raise ConfigError("base= is not supported with async_save=True yet; save synchronously to code "
                               "keyframes against base weights")
         self.chain = CheckpointChain(url, method, config, keyframe=keyframe, retention=retention,
-                                     storage_options=storage_options, takeover=takeover, base=base)
+                                     storage_options=storage_options, takeover=takeover, base=base,
+                                     checksum=checksum)
         self._recorder = None
         if _wants_gradients(self.chain.method):
             self._recorder = SaveWindowRecorder(model, window=grad_window, save_every=save_every)
@@ -135,7 +140,8 @@ class Compressor:
             check_arg("Compressor engine_options", engine_options, EngineOptions | None)
             self._engine = AsyncCheckpointEngine(url, method, config, options=engine_options,
                                                  keyframe=keyframe, retention=retention,
-                                                 storage_options=storage_options, takeover=takeover)
+                                                 storage_options=storage_options, takeover=takeover,
+                                                 checksum=checksum)
             warn_if_oversubscribed(model, self._engine.options)
             if eval_fn is not None and searches(self.chain.method) and not self._engine.options.agent_eval:
                 from .asyncsearch import SearchingSaver

@@ -28,8 +28,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from .entropy import (alphabet_header, as_symbols, open_alphabet_stream, pack_varints, seal, single_value_stream,
-                      symbol_table, write_varint)
+from .streamframe import (alphabet_header, as_symbols, open_alphabet_stream, pack_varints, seal, single_value_stream,
+                          symbol_table, write_varint)
 
 __all__ = ["ans_encode", "ans_decode", "quantize_counts", "PRECISION_BITS"]
 

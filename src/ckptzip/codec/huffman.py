@@ -37,8 +37,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from .entropy import (alphabet_header, as_symbols, open_alphabet_stream, seal, single_value_stream, symbol_table,
-                      write_varint)
+from .streamframe import (alphabet_header, as_symbols, open_alphabet_stream, seal, single_value_stream, symbol_table,
+                          write_varint)
 
 try:  # optional fast path
     import numba as _numba

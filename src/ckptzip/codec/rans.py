@@ -43,8 +43,8 @@ import math
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from .entropy import (alphabet_header, as_symbols, open_alphabet_stream, pack_varints, seal, single_value_stream,
-                      symbol_counts, write_varint)
+from .streamframe import (alphabet_header, as_symbols, open_alphabet_stream, pack_varints, seal, single_value_stream,
+                          symbol_counts, write_varint)
 from .huffman import HAVE_NUMBA, _pick
 
 if HAVE_NUMBA:

@@ -65,7 +65,8 @@ class _Agent:
                                      keyframe=KeyframePolicy(**spec["keyframe"]) if spec.get("keyframe") else None,
                                      retention=RetentionPolicy(**spec["retention"]) if spec.get("retention") else None,
                                      storage_options=spec.get("storage_options"),
-                                     takeover=bool(spec.get("takeover")))
+                                     takeover=bool(spec.get("takeover")),
+                                     checksum=spec.get("checksum", "sha256"))
         self.evaluator = None  # (model, eval_fn) from options.agent_eval, built once ready (serve)
         self.segments: dict[int, object] = {}
         self.trainer_gone = False

@@ -112,7 +112,7 @@ class AsyncCheckpointEngine:
 
     def __init__(self, url, method: str | Method = "lossless", config=None, *, options: EngineOptions | None = None,
                  keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
-                 storage_options: dict | None = None, takeover: bool = False):
+                 storage_options: dict | None = None, takeover: bool = False, checksum: str = "sha256"):
         options = options if options is not None else EngineOptions()
         if not isinstance(options, EngineOptions):
             raise ConfigError(f"options must be an EngineOptions, got {type(options).__name__}")
@@ -127,9 +127,10 @@ class AsyncCheckpointEngine:
         per_rank = self.world > 1 or options.rank is not None
         self.url = f"{base.rstrip('/')}/rank-{self.rank:05d}" if per_rank else base
         self.chain = CheckpointChain(self.url, method, config, keyframe=keyframe, retention=retention,
-                                     storage_options=storage_options, takeover=takeover)  # the trainer only reads it
+                                     storage_options=storage_options, takeover=takeover,
+                                     checksum=checksum)  # the trainer only reads it; checked here, written by the agent
         self.key = staging.chain_key(self.url, storage_options)
-        spec = self._agent_spec(method, config, keyframe, retention, storage_options, takeover)
+        spec = self._agent_spec(method, config, keyframe, retention, storage_options, takeover, checksum)
 
         with _ACTIVE_LOCK:
             if (self.key, self.rank) in _ACTIVE:
@@ -163,7 +164,7 @@ class AsyncCheckpointEngine:
             raise
         _LIVE.add(self)
 
-    def _agent_spec(self, method, config, keyframe, retention, storage_options, takeover) -> dict:
+    def _agent_spec(self, method, config, keyframe, retention, storage_options, takeover, checksum) -> dict:
         if isinstance(method, Method):
             name, cfg = method.descriptor, method.config_dict()
         else:
@@ -172,7 +173,8 @@ class AsyncCheckpointEngine:
         spec = {"url": self.url, "method": name, "config": cfg,
                 "keyframe": dataclasses.asdict(keyframe) if keyframe else None,
                 "retention": dataclasses.asdict(retention) if retention else None,
-                "storage_options": storage_options, "takeover": takeover, "key": self.key, "rank": self.rank,
+                "storage_options": storage_options, "takeover": takeover, "checksum": checksum,
+                "key": self.key, "rank": self.rank,
                 "trainer_pid": os.getpid(), "options": dataclasses.asdict(self.options),
                 "sys_path": [p for p in sys.path if p and os.path.isdir(p)]}
         try:

@@ -27,6 +27,7 @@ import torch
 
 from ..chain import INDEX, CheckpointChain, Entry, KeyframePolicy
 from ..errors import ConfigError, IncompleteCheckpointError
+from ..format import CHECKSUMS
 from ..methods.base import EncodeContext, Method, get_method
 from .sources import Source, find_sources, load_source
 
@@ -41,11 +42,12 @@ class CompressJob:
     eval_fn: Callable | None = None
     threshold: float | None = None         # None: the method's default budget
     higher_is_better: bool = False
+    checksum: str = "sha256"               # each blob's checksum in the files written (format.CHECKSUMS)
 
 
 def plan(paths: Sequence[str | os.PathLike], out: str, method: str = "lossless", config: dict | None = None, *,
          keyframe_every: int = 10, eval_spec: str | None = None, threshold: float | None = None,
-         higher_is_better: bool = False) -> CompressJob:
+         higher_is_better: bool = False, checksum: str = "sha256") -> CompressJob:
     """Validate the whole job; raises a one-line error naming the thing and the fix, writes nothing."""
     m = get_method(method, config)
     if (threshold is not None or higher_is_better) and eval_spec is None:
@@ -53,6 +55,8 @@ def plan(paths: Sequence[str | os.PathLike], out: str, method: str = "lossless",
                           "(model, eval_fn)")
     if threshold is not None and not (math.isfinite(threshold) and threshold > 0):
         raise ConfigError(f"--threshold must be a positive relative budget such as 0.01, got {threshold}")
+    if checksum not in CHECKSUMS:
+        raise ConfigError(f"--checksum must be one of {', '.join(CHECKSUMS)}, got {checksum!r}")
     entries = check_target(out)
     sources = find_sources(paths)
     if not sources:
@@ -63,13 +67,14 @@ def plan(paths: Sequence[str | os.PathLike], out: str, method: str = "lossless",
     model = eval_fn = None
     if eval_spec is not None:
         model, eval_fn = load_eval(eval_spec)
-    return CompressJob(out, m, tuple(sources), keyframe_every, model, eval_fn, threshold, higher_is_better)
+    return CompressJob(out, m, tuple(sources), keyframe_every, model, eval_fn, threshold, higher_is_better, checksum)
 
 
 def run(job: CompressJob, *, on_source: Callable[[Source], None] | None = None) -> list[Entry]:
     """Save every source of ``job`` into its chain, in step order; returns the new index entries."""
     saved = []
-    with CheckpointChain(job.out, job.method, keyframe=KeyframePolicy(every=job.keyframe_every)) as chain:
+    with CheckpointChain(job.out, job.method, keyframe=KeyframePolicy(every=job.keyframe_every),
+                         checksum=job.checksum) as chain:
         for s in job.sources:
             if on_source is not None:
                 on_source(s)
