@@ -36,7 +36,7 @@ def _run(w, url=None, steps=60, every=20, **kw):
     return m, torch.cat(noise), handles
 
 
-def test_async_saves_search_in_the_background(tmp_path):
+def test_async_saves_search_in_the_background(tmp_path, monkeypatch):
     w = digits_workload(total_steps=60, ckpt_every=20, hidden=64)
     url = tmp_path / "c"
     m, noise, handles = _run(w, url)
@@ -66,8 +66,12 @@ def test_async_saves_search_in_the_background(tmp_path):
     # first one from scratch, the next in the neighbourhood; the trainer's search judges what the
     # decoder rebuilds from them, not a re-quantization of the weights
     m, opt, sched = w.build(1)
+    replays = []
+    replay = CheckpointChain._replay
+    monkeypatch.setattr(CheckpointChain, "_replay", lambda self, *a, **k: replays.append(a[0]) or replay(self, *a, **k))
     with ckptzip.Compressor(m, opt, url, "dynaquant", eval_fn=w.eval_fn, threshold=0.05, async_save=True) as ck:
         assert ck.restore() == 60
+        assert replays == [60]  # decoded once: the search's reference is the restore's, not a second decode
         assert ck.chain.method.search_state["checkpoints"] == 3
         for step in range(61, 101):
             w.train_step(m, opt, sched, step)
@@ -145,3 +149,31 @@ def test_the_agent_builds_its_evaluator_before_the_first_save(tmp_path):
         assert marker.exists(), "no save was made, yet the agent should have built its evaluator"
         ck.save(20).wait()
     assert CheckpointChain(tmp_path / "c").entry(20).summary["evals"] >= 1
+
+
+def test_async_search_codes_keyframes_against_base_weights(tmp_path, monkeypatch):
+    """``base=`` with async saves: the agent codes keyframes as residuals against the base, and the
+    trainer's search judges those residuals (the degradation it records is the restored model's)."""
+    import tempfile
+
+    from ckptzip.basestate import BaseWeights
+
+    staged = tmp_path / "tmp"
+    staged.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(staged))  # where the engine stages the base for the agent
+    w = digits_workload(total_steps=40, ckpt_every=20, hidden=64)
+    start, _, _ = w.build(0)  # _run trains from the same initial weights: the run's base
+    base = {k: v.clone() for k, v in start.state_dict().items()}
+    url = tmp_path / "c"
+    _run(w, url, steps=40, every=20, base=base)
+    assert not list(staged.glob("ckptzip-base-*"))  # close() removed the staged base
+    chain = CheckpointChain(url, base=base)
+    first = chain.manifest(20)
+    assert first["keyframe"] and first["method_meta"]["base"] == BaseWeights.from_model(base).digest
+    assert any(r["pipeline"][:2] == ["dynaquant/1", "residual/1"] for r in first["records"].values())
+    for e in chain.entries():
+        s = e.summary
+        restored, _, _ = w.build(0)
+        restored.load_state_dict(chain.load(e.step)["model"])
+        d = (w.eval_fn(restored) - s["baseline"]) / s["baseline"]
+        assert d == pytest.approx(s["degradation"], abs=1e-6) and (d <= 0.05 or s["infeasible"])

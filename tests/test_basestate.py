@@ -72,8 +72,19 @@ def test_bad_base_arguments(tmp_path, digits_snapshots):
     model, opt, _, _ = digits_snapshots
     with pytest.raises(ConfigError, match="state_dict"):
         CheckpointChain(tmp_path, "dynaquant", base=[1, 2])
-    with pytest.raises(ConfigError, match="async_save"):
-        Compressor(model, opt, tmp_path, "dynaquant", base=model.state_dict(), async_save=True)
+    with pytest.raises(ConfigError, match="--base"):
+        BaseWeights.from_file(tmp_path / "missing.safetensors")
+
+
+def test_the_agent_reads_the_staged_base_and_checks_its_digest(tmp_path, digits_snapshots):
+    from ckptzip.engine.agent import _Agent
+
+    base = BaseWeights.from_model(digits_snapshots[2][0].model)
+    base.to_file(tmp_path / "base.safetensors")
+    staged = {"file": str(tmp_path / "base.safetensors"), "digest": base.digest}
+    assert _Agent._base(staged).digest == base.digest
+    with pytest.raises(BaseMismatchError, match="do not modify that file"):
+        _Agent._base({**staged, "digest": "0" * 64})
 
 
 def test_compressor_restores_a_base_chain_into_a_new_model(tmp_path, digits_snapshots):
@@ -129,3 +140,14 @@ def test_cli_restore_and_verify_take_the_base_file(tmp_path, digits_snapshots):
     assert r.exit_code == 0, r.output
     got = load_file(tmp_path / "x.safetensors")
     assert torch.equal(got["fc2.weight"], ch.restore(snaps[2].step).state["model"]["fc2.weight"])
+
+    # ckptzip compress --base: an existing torch.save checkpoint ingested against the same base
+    torch.save(_state(snaps[3]), tmp_path / "ck.pt")
+    r = cli("compress", tmp_path / "ck.pt", "--out", tmp_path / "ingested", "--method", "dynaquant",
+            "--config", '{"quantizer": {"bins": 8, "prune_fraction": 0.0}}', "--base", tmp_path / "base.safetensors")
+    assert r.exit_code == 0, r.output
+    ingested = CheckpointChain(str(tmp_path / "ingested"), base=snaps[0].model)
+    assert ingested.manifest(snaps[3].step)["method_meta"]["base"] == ch.base.digest
+    assert ingested.verify() == []
+    r = cli("compress", tmp_path / "ck.pt", "--out", tmp_path / "nobase", "--base", tmp_path / "nope.pt")
+    assert r.exit_code == 2 and "nope.pt" in r.output and not (tmp_path / "nobase").exists()

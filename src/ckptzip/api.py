@@ -19,7 +19,6 @@ import torch
 
 from .chain import CheckpointChain, Entry, KeyframePolicy, RetentionPolicy
 from .configcheck import OneOf, Range, check_arg, check_args
-from .errors import ConfigError
 from .fitcheck import check_fits
 from .format import CHECKSUMS
 from .methods.base import EncodeContext, searches
@@ -123,9 +122,6 @@ class Compressor:
         self.eval_fn, self.threshold, self.higher_is_better = eval_fn, threshold, higher_is_better
         self.budget = checkpoint_budget(threshold, restores)
         self.extra_state = extra_state
-        if base is not None and async_save:
-            raise ConfigError("base= is not supported with async_save=True yet; save synchronously to code "
-                              "keyframes against base weights")
         self.chain = CheckpointChain(url, method, config, keyframe=keyframe, retention=retention,
                                      storage_options=storage_options, takeover=takeover, base=base,
                                      checksum=checksum)
@@ -141,7 +137,7 @@ class Compressor:
             self._engine = AsyncCheckpointEngine(url, method, config, options=engine_options,
                                                  keyframe=keyframe, retention=retention,
                                                  storage_options=storage_options, takeover=takeover,
-                                                 checksum=checksum)
+                                                 checksum=checksum, base=self.chain.base)
             warn_if_oversubscribed(model, self._engine.options)
             if eval_fn is not None and searches(self.chain.method) and not self._engine.options.agent_eval:
                 from .asyncsearch import SearchingSaver
@@ -189,7 +185,8 @@ class Compressor:
                 # (the decoded weights a residual is taken against) from the file, as a synchronous
                 # writer does when it rebuilds its reference
                 self.chain.method.resume(self.chain.manifest(step).get("method_meta", {}))
-                self._searcher.resume(self.chain.reference(step))
+                decoded = self._engine.chain if self._engine.last_restore == (step, "storage") else self.chain
+                self._searcher.resume(decoded.reference(step))
         else:
             if not self.chain.steps():
                 return None

@@ -154,14 +154,16 @@ class SearchingSaver:
                 self._jobs.task_done()
 
     def _search_and_stage(self, job: _Job) -> None:
+        base = self.engine.chain.base  # the agent codes keyframes against the same base weights
         ctx = EncodeContext(step=job.step, model=self._scratch, eval_fn=self.eval_fn, threshold=self.threshold,
-                            higher_is_better=self.higher_is_better, gradients=job.gradients)
+                            higher_is_better=self.higher_is_better, gradients=job.gradients, base=base)
         t0 = time.perf_counter()
         knobs, info = self.method.search_knobs(job.flat, self._reference, ctx)
         # the search's seconds in the file's summary, as a synchronous save records them
         info = {**info, "search_s": round(time.perf_counter() - t0, 3)}
         # what the next search estimates deltas against: this checkpoint's codes under the chosen knobs
-        self._reference = self.method.search_reference(job.flat, knobs, job.gradients, job.step, self._reference)
+        self._reference = self.method.search_reference(job.flat, knobs, job.gradients, job.step, self._reference,
+                                                       base=base)
         search = {"knobs": knobs, "info": info, "state": self.method.search_state}
         job.handle.engine_handle = self.engine.save(
             job.flat, job.step, ctx=EncodeContext(step=job.step, threshold=self.threshold,

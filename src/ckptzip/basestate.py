@@ -61,6 +61,12 @@ class BaseWeights:
 
         return cls.from_model(torch_load(path, mmap=False))
 
+    def to_file(self, path) -> None:
+        """Save as ``.safetensors`` (the model's keys): ``from_file`` reads back the same digest."""
+        from safetensors.torch import save_file
+
+        save_file({n[len(MODEL_PREFIX):]: t.contiguous() for n, t in self.tensors.items()}, str(path))
+
     @classmethod
     def of(cls, base) -> "BaseWeights | None":
         """``base`` as given to Compressor / CheckpointChain: None, BaseWeights or a state_dict."""

@@ -302,7 +302,14 @@ class CheckpointChain:
     def reference(self, step: int):
         """The Reference a save after ``step`` is coded against (decodes the chain up to ``step``): for a
         search that runs apart from the writer (async saves) and must estimate as it does."""
-        return self._replay(self.entry(step).step, self._load_index().entries)[1]
+        index = self._load_index()
+        target = self.entry(step).step
+        if self._ref is not None and self._ref_version == index.version and index.entries[-1].step == target:
+            # this chain holds it (a restore or save of ``step``): handed over, not decoded again; a save
+            # may reuse its own reference in place, so this chain's next save rebuilds one from storage
+            ref, self._ref, self._ref_version = self._ref, None, None
+            return ref
+        return self._replay(target, index.entries)[1]
 
     def _path(self, step: int, entries: list[Entry]) -> list[int]:
         return replay_path(entries, step, self.url)

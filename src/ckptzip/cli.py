@@ -139,6 +139,10 @@ def compress(
         "--higher-is-better", help="eval_fn is a score, not a loss")] = False,
     checksum: Annotated[str, typer.Option(
         help="each blob's checksum: sha256, or crc32 (faster, against accidental corruption only)")] = "sha256",
+    base: Annotated[Optional[pathlib.Path], typer.Option(
+        "--base", help="the model weights (.safetensors or .pt state_dict) the run started from: quantizing "
+                       "methods code keyframes as residuals against them (restore and verify need the same --base)")
+    ] = None,
 ) -> None:
     """Ingest existing checkpoints, in step order, into a compressed chain."""
     with _bad_input():
@@ -149,7 +153,7 @@ def compress(
         with _progress() as prog:
             prog.add_task("checking sources", total=None)
             job = plan(src, out, method, cfg, keyframe_every=keyframe_every, eval_spec=eval_spec,
-                       threshold=threshold, higher_is_better=higher_is_better, checksum=checksum)
+                       threshold=threshold, higher_is_better=higher_is_better, checksum=checksum, base=base)
         with _progress() as prog:
             task = prog.add_task("compressing", total=len(job.sources))
             entries = run(job, on_source=lambda s: prog.update(

@@ -66,11 +66,25 @@ class _Agent:
                                      retention=RetentionPolicy(**spec["retention"]) if spec.get("retention") else None,
                                      storage_options=spec.get("storage_options"),
                                      takeover=bool(spec.get("takeover")),
-                                     checksum=spec.get("checksum", "sha256"))
+                                     checksum=spec.get("checksum", "sha256"), base=self._base(spec.get("base")))
         self.evaluator = None  # (model, eval_fn) from options.agent_eval, built once ready (serve)
         self.segments: dict[int, object] = {}
         self.trainer_gone = False
         self.inbox: queue.Queue = queue.Queue()
+
+    @staticmethod
+    def _base(staged: dict | None):
+        """The trainer's base weights, from the file it staged (engine._stage_base), checked by digest."""
+        if not staged:
+            return None
+        from ..basestate import BaseWeights
+        from ..errors import BaseMismatchError
+
+        base = BaseWeights.from_file(staged["file"])
+        if base.digest != staged["digest"]:
+            raise BaseMismatchError(f"the agent read base weights {base.digest[:16]} from {staged['file']}, "
+                                    f"not the trainer's {staged['digest'][:16]}; do not modify that file")
+        return base
 
     # --- io -------------------------------------------------------------------------------
     def emit(self, **ev) -> None:

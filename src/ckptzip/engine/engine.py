@@ -51,6 +51,9 @@ them into save / wait / restore / close.
   every rank has (the paper's Fig. 4); newer slots are discarded and newer committed steps are
   truncated from that rank's chain, so training continues from the agreed step. With a world size
   above 1 each rank writes its own chain at ``<url>/rank-<rank:05d>``.
+- **Base weights** (``base=``, basestate.py: keyframes coded against a fine-tuning run's start): the
+  trainer writes them once into a safetensors file in a private temporary folder, which the agent
+  (each life) reads and checks against their digest; ``close()`` removes it.
 - **Exit paths**: ``close()`` (and an atexit hook, which covers exceptions) flushes, stops the agent
   and unlinks every segment; after a SIGKILL the orphaned agent does it once its work is committed.
 - **Memory**: ``memory_budget_bytes`` caps the engine's shared memory; when R slots do not fit, fewer
@@ -78,7 +81,9 @@ import atexit
 import dataclasses
 import json
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -112,25 +117,27 @@ class AsyncCheckpointEngine:
 
     def __init__(self, url, method: str | Method = "lossless", config=None, *, options: EngineOptions | None = None,
                  keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
-                 storage_options: dict | None = None, takeover: bool = False, checksum: str = "sha256"):
+                 storage_options: dict | None = None, takeover: bool = False, checksum: str = "sha256",
+                 base=None):
         options = options if options is not None else EngineOptions()
         if not isinstance(options, EngineOptions):
             raise ConfigError(f"options must be an EngineOptions, got {type(options).__name__}")
         self.options = options
-        base = str(url)
-        if base.startswith("memory://"):
+        where = str(url)
+        if where.startswith("memory://"):
             raise ConfigError("memory:// storage lives inside one process and the agent is another; "
                               "use a local path or an object store with async saves")
-        if "://" not in base and "::" not in base:
-            base = os.path.abspath(base)  # the agent may be restarted after the trainer changed folder
+        if "://" not in where and "::" not in where:
+            where = os.path.abspath(where)  # the agent may be restarted after the trainer changed folder
         self.rank, self.world = rank_world(options)
         per_rank = self.world > 1 or options.rank is not None
-        self.url = f"{base.rstrip('/')}/rank-{self.rank:05d}" if per_rank else base
+        self.url = f"{where.rstrip('/')}/rank-{self.rank:05d}" if per_rank else where
         self.chain = CheckpointChain(self.url, method, config, keyframe=keyframe, retention=retention,
                                      storage_options=storage_options, takeover=takeover,
-                                     checksum=checksum)  # the trainer only reads it; checked here, written by the agent
+                                     checksum=checksum, base=base)  # the trainer only reads it; the agent writes
         self.key = staging.chain_key(self.url, storage_options)
         spec = self._agent_spec(method, config, keyframe, retention, storage_options, takeover, checksum)
+        self._base_dir = None
 
         with _ACTIVE_LOCK:
             if (self.key, self.rank) in _ACTIVE:
@@ -146,6 +153,7 @@ class AsyncCheckpointEngine:
                 self._pid = os.getpid()  # a forked child (DataLoader worker) must not close the parent's engine
                 self._cond = threading.Condition(threading.RLock())
                 self._pool = SlotPool(self.key, self.rank, self._ctl, options, self._cond)
+                self._base_dir = _stage_base(self.chain.base, spec)
                 self._agents = Supervisor(spec, options, self._cond, self._pool)
                 self._seq = 0
                 self._last_step = -1
@@ -161,6 +169,7 @@ class AsyncCheckpointEngine:
         except BaseException:
             with _ACTIVE_LOCK:
                 _ACTIVE.discard((self.key, self.rank))
+            _unstage_base(self._base_dir)
             raise
         _LIVE.add(self)
 
@@ -379,6 +388,7 @@ class AsyncCheckpointEngine:
                 _ACTIVE.discard((self.key, self.rank))
             _LIVE.discard(self)
             self.chain.close()
+            _unstage_base(self._base_dir)
         if err is not None:
             raise err
 
@@ -391,6 +401,27 @@ class AsyncCheckpointEngine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _stage_base(base, spec: dict) -> str | None:
+    """Base weights (basestate.py) for the agent: a safetensors file in a private temporary folder,
+    named with its digest in ``spec`` (the agent checks it). Returns the folder, None without a base."""
+    if base is None:
+        return None
+    folder = tempfile.mkdtemp(prefix="ckptzip-base-")
+    try:
+        path = os.path.join(folder, "base.safetensors")
+        base.to_file(path)
+    except BaseException:
+        _unstage_base(folder)
+        raise
+    spec["base"] = {"file": path, "digest": base.digest}
+    return folder
+
+
+def _unstage_base(folder: str | None) -> None:
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @atexit.register

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..basestate import BaseWeights
 from ..chain import INDEX, CheckpointChain, Entry, KeyframePolicy
 from ..errors import ConfigError, IncompleteCheckpointError
 from ..format import CHECKSUMS
@@ -43,11 +44,13 @@ class CompressJob:
     threshold: float | None = None         # None: the method's default budget
     higher_is_better: bool = False
     checksum: str = "sha256"               # each blob's checksum in the files written (format.CHECKSUMS)
+    base: BaseWeights | None = None        # --base: keyframes coded as residuals against these weights
 
 
 def plan(paths: Sequence[str | os.PathLike], out: str, method: str = "lossless", config: dict | None = None, *,
          keyframe_every: int = 10, eval_spec: str | None = None, threshold: float | None = None,
-         higher_is_better: bool = False, checksum: str = "sha256") -> CompressJob:
+         higher_is_better: bool = False, checksum: str = "sha256",
+         base: str | os.PathLike | None = None) -> CompressJob:
     """Validate the whole job; raises a one-line error naming the thing and the fix, writes nothing."""
     m = get_method(method, config)
     if (threshold is not None or higher_is_better) and eval_spec is None:
@@ -64,17 +67,19 @@ def plan(paths: Sequence[str | os.PathLike], out: str, method: str = "lossless",
     if entries and sources[0].step <= entries[-1].step:
         raise ConfigError(f"{sources[0].path} has step {sources[0].step}, not after the chain's latest step "
                           f"{entries[-1].step}; pass later checkpoints or choose a new --out")
+    weights = None if base is None else BaseWeights.from_file(base)
     model = eval_fn = None
     if eval_spec is not None:
         model, eval_fn = load_eval(eval_spec)
-    return CompressJob(out, m, tuple(sources), keyframe_every, model, eval_fn, threshold, higher_is_better, checksum)
+    return CompressJob(out, m, tuple(sources), keyframe_every, model, eval_fn, threshold, higher_is_better, checksum,
+                       weights)
 
 
 def run(job: CompressJob, *, on_source: Callable[[Source], None] | None = None) -> list[Entry]:
     """Save every source of ``job`` into its chain, in step order; returns the new index entries."""
     saved = []
     with CheckpointChain(job.out, job.method, keyframe=KeyframePolicy(every=job.keyframe_every),
-                         checksum=job.checksum) as chain:
+                         checksum=job.checksum, base=job.base) as chain:
         for s in job.sources:
             if on_source is not None:
                 on_source(s)

@@ -229,16 +229,18 @@ class QuantizingMethod(Method):
         """``choose_knobs`` for a save against ``reference`` made outside ``encode`` (async saves,
         asyncsearch.py): residual-aware, as ``encode``'s own search is."""
         prev = reference if isinstance(reference, QuantizedReference) else None
-        with self._against(state, prev):
+        with self._against(state, prev, ctx.base) as bases:
+            if prev is None:
+                self._base_chain = bool(bases)
             return self.choose_knobs(state, self._estimate_reference(prev, reference), ctx)
 
     def search_reference(self, state: FlatState, knobs: dict, gradients, step: int,
-                         reference=None) -> "QuantizedReference":
-        """What ``encode`` under ``knobs`` against ``reference`` hands the next save -- the weights' codes
-        and, where residuals follow, their reconstructions -- for a search that runs apart from the
-        encoder (async saves, asyncsearch.py)."""
+                         reference=None, base=None) -> "QuantizedReference":
+        """What ``encode`` under ``knobs`` against ``reference`` (``base``: the chain's BaseWeights) hands
+        the next save -- the weights' codes and, where residuals follow, their reconstructions -- for a
+        search that runs apart from the encoder (async saves, asyncsearch.py)."""
         prev = reference if isinstance(reference, QuantizedReference) else None
-        with self._against(state, prev) as bases:
+        with self._against(state, prev, base) as bases:
             qs = self.search_quantize(state, knobs, gradients) if self.delta_weights or self._keeps_recon() else {}
             recon = {n: self._reconstruct(q, bases.get(n)) for n, q in qs.items()} if self._keeps_recon() else {}
         codes = {n: qrecord.Codes(qrecord.compact(q.codes, q.n_levels), q.n_levels) for n, q in qs.items()} \
