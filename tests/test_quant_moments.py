@@ -152,6 +152,30 @@ def test_batched_pairs_equal_one_by_one(codec):
             assert torch.equal(em.codes, qm.codes) and torch.equal(em.side["scale"], qm.side["scale"])
 
 
+def test_factored_tail_kernel_equals_the_torch_reference(monkeypatch):
+    """The fused residual + zigzag of factored v codes (momentkernels.factored_tail) against the torch
+    code beside it, on 2-D moments with row and column structure, zeros and a wide range."""
+    if not M.K.HAVE_NUMBA:
+        pytest.skip("numba is not installed")
+    g = torch.Generator().manual_seed(7)
+    pairs = []
+    for i, (r, c) in enumerate(((64, 48), (3, 1000), (257, 2))):
+        v = (torch.rand(r, 1, generator=g) * torch.rand(1, c, generator=g)) ** 6 * 10.0 ** -(i + 3)
+        v[::7] = 0
+        m = torch.randn(r, c, generator=g) * v.sqrt()
+        pairs.append((m, v, M.AdamHP(step=3 + i)))
+    calls = []
+    tail = M.K.factored_tail
+    monkeypatch.setattr(M.K, "factored_tail", lambda *a: calls.append(1) or tail(*a))
+    fast = M.encode_pairs_levels(pairs, M.GridCodec())
+    assert len(calls) == 3
+    monkeypatch.setattr(M, "_use_kernels", lambda x: False)
+    for (_, qv, _), (_, rv, _) in zip(fast, M.encode_pairs_levels(pairs, M.GridCodec())):
+        assert qv.meta["factored"] and rv.meta["factored"]
+        assert torch.equal(qv.codes, rv.codes) and qv.n_levels == rv.n_levels
+        assert all(torch.equal(qv.side[k], rv.side[k]) for k in ("row", "col"))
+
+
 @pytest.mark.parametrize("codec", [M.GridCodec(), M.GridCodec(prune=0.0, group=100)])
 @pytest.mark.parametrize("overflow", [False, True])
 def test_numba_tails_equal_the_torch_reference(codec, overflow, monkeypatch):

@@ -6,6 +6,11 @@ bit (tests/test_quant_moments.py); CUDA tensors and hosts without numba run the 
 
     ok = grid_tail(t, vf, mf, out)          # c = max(rint(t), 1), 0 where v == 0 (and m == 0); False: t not finite
     sign_tail(ug, scale, cut, out)          # 1-bit direction codes: 2 / 0 by the sign of u / s, 1 where |u| <= cut
+    top = factored_tail(c, a, b, out)       # zigzag(c - (a[row] + b[col])) of a (rows, cols) grid, and its max
+
+``factored_tail`` replaces six passes over int64 (the float sum of the effects, its cast, the
+subtraction, the zigzag's shift, shift and xor) and the max after them: ~15 % of a dynaquant save
+of GPT-2 124M (docs/BENCHMARKS.md, issue 15).
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from ..logbuckets import HAVE_NUMBA
 if HAVE_NUMBA:
     import numba as _numba
 
-__all__ = ["HAVE_NUMBA", "grid_tail", "sign_tail"]
+__all__ = ["HAVE_NUMBA", "grid_tail", "sign_tail", "factored_tail"]
 
 if HAVE_NUMBA:
     @_numba.njit(cache=True, nogil=True)
@@ -50,5 +55,25 @@ if HAVE_NUMBA:
                     out[r, j] = pos * np.uint8(2) if abs(u) > cut[r] else np.uint8(1)
                 else:
                     out[r, j] = pos
+
+    @_numba.njit(cache=True, nogil=True)
+    def factored_tail(c, a, b, out):  # pragma: no cover - compiled
+        """out = zigzag(c - (a[i] + b[j])) over the flat (len(a), len(b)) int64 grid ``c``, with fp32
+        row / column effects holding integers below 2**15 (so their fp32 sum is exact, as the
+        reference's); returns max(out) (0 when empty)."""
+        cols = b.shape[0]
+        bi = np.empty(cols, dtype=np.int64)
+        for j in range(cols):
+            bi[j] = np.int64(b[j])
+        top = np.int64(0)
+        for i in range(a.shape[0]):
+            ai = np.int64(a[i])
+            base = i * cols
+            for j in range(cols):
+                r = c[base + j] - (ai + bi[j])
+                z = (r << 1) ^ (r >> 63)
+                out[base + j] = z
+                top = max(top, z)
+        return top
 else:  # pragma: no cover
-    grid_tail = sign_tail = None
+    grid_tail = sign_tail = factored_tail = None

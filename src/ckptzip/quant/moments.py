@@ -145,18 +145,24 @@ def quantize_v(v: torch.Tensor, hp: AdamHP, *, step: float = 0.5, factored: bool
 
 def _grid_record(c: torch.Tensor, v: torch.Tensor, step: float, factored: bool) -> QuantizedTensor:
     """quantize_v's record of v's absolute grid codes c."""
-    side, meta = {}, {"step": step, "factored": False}
+    side, meta, top = {}, {"step": step, "factored": False}, None
     rc = _as_2d(v.shape) if factored else None
     if rc is not None:
         c2 = c.reshape(rc).to(torch.float32)
         a = torch.round(c2.mean(1))
         b = torch.round((c2 - a[:, None]).mean(0))
         if max(float(a.abs().max()), float(b.abs().max())) < 2 ** 15:
-            c = _zigzag(c - (a[:, None] + b[None, :]).to(torch.int64).reshape(-1))
+            if _use_kernels(c) and c.is_contiguous():  # the tail below in one pass (momentkernels.py)
+                out = np.empty(c.numel(), dtype=np.int64)
+                top = int(K.factored_tail(c.numpy(), a.numpy(), b.numpy(), out))
+                c = torch.from_numpy(out)
+            else:
+                c = _zigzag(c - (a[:, None] + b[None, :]).to(torch.int64).reshape(-1))
             side = {"row": a.to(torch.int16), "col": b.to(torch.int16)}
             meta["factored"] = True
-    n_levels = int(c.max()) + 1 if c.numel() else 1
-    return QuantizedTensor(codes=c, n_levels=n_levels, codebook=torch.empty(0), shape=tuple(v.shape),
+    if top is None:
+        top = int(c.max()) if c.numel() else 0
+    return QuantizedTensor(codes=c, n_levels=top + 1, codebook=torch.empty(0), shape=tuple(v.shape),
                            dtype=dtype_name(v.dtype), side=side, meta=meta)
 
 
