@@ -100,7 +100,7 @@ def run(wl: Workload, method: str | None, *, failures: int = 10, threshold: floa
     """Train ``wl`` once. method=None: the uncompressed reference (no checkpoints, no failures).
     ``async_save``: through the agent; a searching method searches in the agent when the workload
     names an ``agent_eval`` and ``search_in_agent``, else on a thread of this process.
-    ``base``: give the chain the workload's base weights (``Workload.base``; synchronous saves only)."""
+    ``base``: give the chain the workload's base weights (``Workload.base``)."""
     own_dir = url is None and method is not None
     if own_dir:
         url = tempfile.mkdtemp(prefix=f"ckptzip-{wl.name}-{method}-")
@@ -108,7 +108,7 @@ def run(wl: Workload, method: str | None, *, failures: int = 10, threshold: floa
     if method_config is None and method is not None:
         method_config = wl.method_configs.get(method)
     model, opt, sched = wl.build(seed)
-    base_sd = wl.base() if base and wl.base is not None and method is not None and not async_save else None
+    base_sd = wl.base() if base and wl.base is not None and method is not None else None
 
     def compressor(m, o, s):
         if method is None:
