@@ -86,7 +86,7 @@ def main(workloads=DEFAULT_WORKLOADS, methods=None, failures: int | None = None,
 def _compile_kernels(methods) -> None:
     """Save and load a small Adam state (with a config search) once per method before anything is
     timed. numba compiles each kernel at its first call and caches it on disk: in a fresh clone the
-    first workload's saves would otherwise carry ~10 s of compilation (measured: digits dynaquant
+    first workload's saves would otherwise carry ~17 s of compilation (measured: digits dynaquant
     1177 % overhead against 121 % with a warm cache), which a training run pays once per checkout."""
     import fsspec
 
