@@ -197,12 +197,11 @@ def _adam_items(view: ParamView, hp: M.AdamHP, grid: M.GridCodec, qm: QuantizedT
     """The two records of one Adam parameter's encoded moments."""
     mname, vname = view.moments["exp_avg"], view.moments["exp_avg_sq"]
     # every moment is planned before any is stored: int64 codes of all of them would peak at 2x the state
-    for q in (qm, qv):
-        if q is not None:
-            q.codes = qrecord.compact(q.codes, q.n_levels)
+    # (v's codes and levels come narrowed already)
+    if qm is not None:
+        qm.codes = qrecord.compact(qm.codes, qm.n_levels)
     if qv.meta["factored"]:
-        n_levels = int(levels.max()) + 1 if levels.numel() else 1
-        ref = qrecord.Codes(qrecord.compact(levels, n_levels), n_levels)
+        ref = qrecord.Codes(levels, int(levels.max()) + 1 if levels.numel() else 1)
     else:  # the stored codes are the absolute levels
         ref = qrecord.Codes(qv.codes, qv.n_levels)
     adam = {"step": hp.step, "beta1": hp.beta1, "beta2": hp.beta2, "eps": hp.eps}

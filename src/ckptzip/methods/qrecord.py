@@ -18,7 +18,7 @@ from ..codec import stages as S
 from ..codec.entropy import decode_codes, encode_codes
 from ..codec.rans import HAVE_NUMBA
 from ..errors import CorruptCheckpointError
-from ..quant.base import QuantizedTensor
+from ..quant.base import QuantizedTensor, compact
 from ..tensorbytes import dtype_name, tensor_from_bytes, tensor_to_bytes
 from .base import Encoded
 
@@ -152,11 +152,3 @@ def _parts(enc: Encoded, name: str, meta: dict):
     return part
 
 
-def compact(codes: torch.Tensor, n_levels: int) -> torch.Tensor:
-    """Codes in the narrowest dtype that holds every level (the reference is the method's memory).
-
-    Chosen by ``n_levels``, not by the largest code present: a dequantizer compares codes with its
-    top level (protected, outlier), which a narrower dtype could not represent."""
-    codes = codes.detach().reshape(-1).cpu()
-    hi = int(n_levels) - 1
-    return codes.to(torch.uint8 if hi < 256 else torch.int16 if hi < 32768 else torch.int32)

@@ -68,3 +68,12 @@ def apply_codebook(codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """codebook[codes] as float32 (plain-torch reference used by every dequantizer)."""
     return codebook.to(torch.float32)[codes.long()]
 
+
+def compact(codes: torch.Tensor, n_levels: int) -> torch.Tensor:
+    """Codes in the narrowest dtype that holds every level (the reference is the method's memory).
+
+    Chosen by ``n_levels``, not by the largest code present: a dequantizer compares codes with its
+    top level (protected, outlier), which a narrower dtype could not represent."""
+    codes = codes.detach().reshape(-1).cpu()
+    hi = int(n_levels) - 1
+    return codes.to(torch.uint8 if hi < 256 else torch.int16 if hi < 32768 else torch.int32)

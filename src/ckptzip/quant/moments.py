@@ -47,7 +47,7 @@ from ..configcheck import OneOf, Range, check_fields
 from ..errors import ConfigError, NonFiniteError
 from ..tensorbytes import dtype_name, torch_dtype
 from . import momentkernels as K
-from .base import MIN_NUMEL_RANGE, QuantizedTensor, all_finite
+from .base import MIN_NUMEL_RANGE, QuantizedTensor, all_finite, compact
 
 # Positive reconstruction levels in units of the group scale: 1 bit, +-1 times the mean |u| (the
 # L2-optimal scale of a sign); 2 and 3 bits, the Lloyd-Max levels of a unit Gaussian (z = u / RMS).
@@ -378,8 +378,9 @@ def encode_pair(m: torch.Tensor, v: torch.Tensor, hp: AdamHP, codec: GridCodec
 
 def encode_pair_levels(m: torch.Tensor, v: torch.Tensor, hp: AdamHP, codec: GridCodec
                        ) -> tuple[QuantizedTensor | None, QuantizedTensor, torch.Tensor]:
-    """encode_pair and v's absolute grid codes (= decode_grid(qv), int64 flat: what the next
-    checkpoint's delta is taken against), which a factored qv would otherwise decode again."""
+    """encode_pair and v's absolute grid codes (= decode_grid(qv), flat, in the narrowest integer
+    dtype, as qv's codes: what the next checkpoint's delta is taken against), which a factored qv
+    would otherwise decode again."""
     return encode_pairs_levels([(m, v, hp)], codec)[0]
 
 
@@ -401,6 +402,12 @@ def encode_pairs_levels(pairs: list[tuple[torch.Tensor, torch.Tensor, AdamHP]], 
     c = _grid_codes(vf, D, eps, codec.v_step, mf)
     cs = [c[at:at + n] for at, n in zip(_offsets(ns), ns)]
     qvs = [_grid_record(ci, v, codec.v_step, codec.factored) for ci, v in zip(cs, vs)]
+    # v is final: its codes and levels narrowed before m's pass allocates its own temporaries (on
+    # a large tensor int64 codes and levels were 16 of the ~39 bytes an element a save peaked at)
+    for qv in qvs:
+        qv.codes = compact(qv.codes, qv.n_levels)
+    cs = [qv.codes if not qv.meta["factored"] else compact(ci, int(ci.max()) + 1) for qv, ci in zip(qvs, cs)]
+    del c
     if not codec.m_bits:
         return [(None, qv, ci) for qv, ci in zip(qvs, cs)]
     if codec.normalize == "decoded":
