@@ -150,7 +150,8 @@ def _grid_record(c: torch.Tensor, v: torch.Tensor, step: float, factored: bool) 
     if rc is not None:
         c2 = c.reshape(rc).to(torch.float32)
         a = torch.round(c2.mean(1))
-        b = torch.round((c2 - a[:, None]).mean(0))
+        b = torch.round(c2.sub_(a[:, None]).mean(0))  # in place: c2 is this function's own copy
+        del c2  # before the residuals' int64 output (a save's peak memory is this function on its largest v)
         if max(float(a.abs().max()), float(b.abs().max())) < 2 ** 15:
             if _use_kernels(c) and c.is_contiguous():  # the tail below in one pass (momentkernels.py)
                 out = np.empty(c.numel(), dtype=np.int64)
