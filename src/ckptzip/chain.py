@@ -470,9 +470,10 @@ def _bytes_by_role(flat: FlatState, enc: Encoded) -> dict:
     for name, rec in flat.records.items():
         r = enc.records[name]
         t = flat.tensors[name]
-        acc = out.get(rec.role if rec.role in _ROLES else "other")
+        role = rec.role if rec.role in _ROLES else "other"
+        acc = out.get(role)
         if acc is None:
-            acc = out[rec.role if rec.role in _ROLES else "other"] = [0, 0.0]
+            acc = out[role] = [0, 0.0]
         acc[0] += t.numel() * t.element_size()
         for k in r["blobs"].values():
             acc[1] += len(blobs[k])

@@ -84,7 +84,8 @@ def _open_chain(url: str, *, read_index: bool = True, base: pathlib.Path | None 
 
 
 BASE_OPTION = typer.Option("--base", help="the model weights (.safetensors or .pt state_dict) the run started "
-                           "from, for a chain whose keyframes were coded against them", show_default=False)
+                           "from: a quantizing method codes the chain's keyframes as residuals against them "
+                           "(compress), and decoding them needs the same file (restore, verify)", show_default=False)
 
 
 def _dcp_root(url: str) -> bool:
@@ -139,10 +140,7 @@ def compress(
         "--higher-is-better", help="eval_fn is a score, not a loss")] = False,
     checksum: Annotated[str, typer.Option(
         help="each blob's checksum: sha256, or crc32 (faster, against accidental corruption only)")] = "sha256",
-    base: Annotated[Optional[pathlib.Path], typer.Option(
-        "--base", help="the model weights (.safetensors or .pt state_dict) the run started from: quantizing "
-                       "methods code keyframes as residuals against them (restore and verify need the same --base)")
-    ] = None,
+    base: Annotated[Optional[pathlib.Path], BASE_OPTION] = None,
 ) -> None:
     """Ingest existing checkpoints, in step order, into a compressed chain."""
     with _bad_input():
