@@ -13,6 +13,7 @@ from ckptzip.codec.entropy import decode_codes, encode_codes, entropy_bits, read
 from ckptzip.errors import CorruptCheckpointError
 
 BACKENDS = ["torch"] + (["numba"] if D.HAVE_NUMBA else [])
+FLAGS = list(itertools.product([False, True], [False, True], ["huffman", "ans", "rans", "zstd"]))
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -64,8 +65,59 @@ def test_cyclic_delta_rejects_bad_input(backend):
         D.rearrange(torch.tensor([0, 1]), torch.tensor([0, 16]), 16, backend=backend)
     with pytest.raises(ValueError, match="codes"):
         D.cyclic_delta(torch.tensor([0, 1]), torch.tensor([0, 1, 2]), 16, backend=backend)
-    with pytest.raises(TypeError, match="int32 or int64"):
+    with pytest.raises(TypeError, match="integer codes"):
         D.cyclic_delta(torch.tensor([0.0]), torch.tensor([0.0]), 16, backend=backend)
+
+
+NARROW = [torch.uint8, torch.int8, torch.int16]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", NARROW)
+def test_cyclic_delta_of_narrow_codes_equals_int64(dtype, backend):
+    # B = 10 does not divide 256: a difference taken in uint8 (wrapping) would give other values
+    g = torch.Generator().manual_seed(1)
+    prev = torch.randint(0, 10, (4000,), generator=g)
+    cur = torch.randint(0, 10, (4000,), generator=g)
+    want = (prev - cur) % 10
+    d = D.cyclic_delta(prev.to(dtype), cur.to(dtype), 10, backend=backend)
+    assert d.dtype == dtype and torch.equal(d.long(), want)
+    assert torch.equal(D.undo_cyclic_delta(prev.to(dtype), d, 10, backend=backend).long(), cur)
+    ds, sizes = D.grouped_cyclic_delta(prev.to(dtype), cur.to(dtype), 10, backend=backend)
+    ws, wsizes = D.grouped_cyclic_delta(prev, cur, 10, backend=backend)
+    assert ds.dtype == dtype and torch.equal(ds.long(), ws) and torch.equal(sizes, wsizes)
+    assert torch.equal(D.undo_grouped_cyclic_delta(prev.to(dtype), ds, 10, backend=backend).long(), cur)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cyclic_delta_widens_when_the_levels_outgrow_cur_dtype(backend):
+    # the parent had 300 levels (int16 codes), this checkpoint 200 (uint8): deltas reach 299
+    g = torch.Generator().manual_seed(2)
+    prev = torch.randint(0, 300, (3000,), generator=g)
+    cur = torch.randint(0, 200, (3000,), generator=g)
+    for fn in (D.cyclic_delta, lambda p, c, b, backend: D.grouped_cyclic_delta(p, c, b, backend=backend)[0]):
+        got = fn(prev.to(torch.int16), cur.to(torch.uint8), 300, backend=backend)
+        assert got.dtype == torch.int16
+        assert torch.equal(got.long(), fn(prev, cur, 300, backend=backend))
+    assert D.delta_dtype(torch.uint8, 256) == torch.uint8 and D.delta_dtype(torch.uint8, 257) == torch.int16
+    assert D.delta_dtype(torch.int8, 200) == torch.int16 and D.delta_dtype(torch.int16, 1 << 20) == torch.int32
+
+
+@pytest.mark.parametrize("rearrange,rle,coder", FLAGS)
+def test_pipeline_bytes_of_narrow_codes_equal_int64(real_codes, rearrange, rle, coder):
+    # the narrow path (no int64 copy per tensor) writes the bytes the int64 path writes; values >= 128
+    # catch a kernel that negates (RLE) or subtracts (delta) in the narrow type
+    g = torch.Generator().manual_seed(3)
+    seq = real_codes["fc2.weight"]
+    pairs = [(seq[4], seq[5], 16), (torch.randint(100, 200, (5000,), generator=g),
+                                    torch.randint(130, 250, (5000,), generator=g), 256)]
+    for prev, cur, levels in pairs:
+        for dtype in (torch.uint8, torch.int16, torch.int32):
+            assert encode_codes(None, cur.to(dtype), levels, rle=rle, coder=coder) == \
+                encode_codes(None, cur, levels, rle=rle, coder=coder)
+            buf = encode_codes(prev.to(dtype), cur.to(dtype), levels, rearrange=rearrange, rle=rle, coder=coder)
+            assert buf == encode_codes(prev, cur, levels, rearrange=rearrange, rle=rle, coder=coder)
+            assert torch.equal(decode_codes(buf, prev.to(dtype)), cur)
 
 
 # --------------------------------------------------------------------------- rearrangement
@@ -156,7 +208,6 @@ def test_rearrange_empty():
 
 
 # --------------------------------------------------------------------------- full pipeline
-FLAGS = list(itertools.product([False, True], [False, True], ["huffman", "ans", "rans", "zstd"]))
 
 
 @pytest.mark.parametrize("rearrange,rle,coder", FLAGS)

@@ -94,6 +94,17 @@ def test_empty_and_dtypes():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+def test_narrow_input_encodes_as_int64(backend, dtype):
+    # read as they are (no int64 copy); 200 and 255 catch a negation in the narrow type
+    hi = 256 if dtype == torch.uint8 else 128
+    x = torch.tensor([200, 200, 255, 0, 0, 0, 127, 3] if hi == 256 else [100, 100, 127, 0, 0, 0, 5, 3])
+    x = torch.cat([x, torch.randint(0, hi, (3000,), generator=torch.Generator().manual_seed(4)).repeat_interleave(3)])
+    got = rle_encode(x.to(dtype), backend=backend)
+    assert got.dtype == torch.int64 and torch.equal(got, rle_encode(x, backend=backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("stream,n,match", [
     ([3, 0], None, "starts with a run length"),
     ([0, 3, 2], None, "two run lengths"),

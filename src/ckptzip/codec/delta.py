@@ -30,7 +30,9 @@ Cost: the numba override (CPU tensors) counts and range-checks ``prev`` in one p
 every element in a second (a counting sort, O(n + B)); the plain-torch reference (any device) is
 an LSD radix sort over the bits of the key, O(n * ceil(log2 B)) with a stable cumsum partition
 per bit. Neither uses a comparison sort. The delta itself also has a fused numba pass (range
-check + subtract + wrap). Codes may be int32 or int64; every function takes
+check + subtract + wrap). Codes may be any integer dtype up to int64 (a quantizer's narrow uint8
+codes go in as they are: widening them was a fresh int64 copy per tensor); a delta comes out in
+``cur``'s dtype, or a wider one when ``n_levels`` needs it. Every function takes
 ``backend="auto" | "numba" | "torch"`` and the two backends give identical results.
 """
 from __future__ import annotations
@@ -47,24 +49,27 @@ __all__ = ["cyclic_delta", "undo_cyclic_delta", "rearrange", "unrearrange", "gro
            "undo_grouped_cyclic_delta", "group_order", "HAVE_NUMBA"]
 
 HAVE_NUMBA = _numba is not None
-_INT_DTYPES = (torch.int32, torch.int64)
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_WIDER = (torch.int16, torch.int32, torch.int64)
 
 
 # --------------------------------------------------------------------------- cyclic delta
 def cyclic_delta(prev: torch.Tensor, cur: torch.Tensor, n_levels: int, *,
                  backend: str = "auto") -> torch.Tensor:
-    """D = (prev - cur) mod n_levels, flat, in [0, n_levels); dtype of ``cur``."""
+    """D = (prev - cur) mod n_levels, flat, in [0, n_levels); dtype of ``cur`` (``delta_dtype``)."""
     prev, cur = _flat_codes(prev, "prev"), _flat_codes(cur, "cur")
     _check_levels(n_levels)
     _check_same_len(prev, cur, "cur")
+    dtype = delta_dtype(cur.dtype, n_levels)
     if _use_numba(backend, prev, cur):
         # numpy-allocated output: large fresh torch buffers pay a page fault per 4 KiB page
-        out = np.empty(cur.numel(), dtype=cur.numpy().dtype)
+        out = np.empty(cur.numel(), dtype=_np_dtype(dtype))
         if _delta_kernel(prev.numpy(), cur.numpy(), n_levels, out):
             return torch.from_numpy(out)
     _check_range(prev, n_levels, "prev")  # also gives the message when the kernel found a bad code
     _check_range(cur, n_levels, "cur")
-    return torch.remainder(prev.to(cur.dtype) - cur, n_levels)
+    wide = _wide(prev, cur)
+    return torch.remainder(prev.to(wide) - cur.to(wide), n_levels).to(dtype)
 
 
 def undo_cyclic_delta(prev: torch.Tensor, delta: torch.Tensor, n_levels: int, *,
@@ -77,7 +82,8 @@ def undo_cyclic_delta(prev: torch.Tensor, delta: torch.Tensor, n_levels: int, *,
         out = np.empty(delta.numel(), dtype=delta.numpy().dtype)
         if _undo_kernel(prev.numpy(), delta.numpy(), n_levels, out):
             return torch.from_numpy(out)
-    return torch.remainder(prev.to(delta.dtype) - delta, n_levels)  # general mod for any input
+    wide = _wide(prev, delta)
+    return torch.remainder(prev.to(wide) - delta.to(wide), n_levels).to(delta.dtype)  # general mod for any input
 
 
 # --------------------------------------------------------------------------- rearrangement
@@ -133,7 +139,7 @@ def grouped_cyclic_delta(prev: torch.Tensor, cur: torch.Tensor, n_levels: int, *
     _check_same_len(prev, cur, "cur")
     if _use_numba(backend, cur, prev):
         sizes, starts = _numba_groups(prev, n_levels)
-        out = np.empty(cur.numel(), dtype=cur.numpy().dtype)
+        out = np.empty(cur.numel(), dtype=_np_dtype(delta_dtype(cur.dtype, n_levels)))
         if _grouped_delta_kernel(prev.numpy(), cur.numpy(), n_levels, starts, out):
             return torch.from_numpy(out), torch.from_numpy(sizes)
         _check_range(cur, n_levels, "cur")
@@ -196,8 +202,8 @@ if HAVE_NUMBA:
     def _delta_kernel(prev, cur, n_levels, out):  # pragma: no cover - compiled
         """out = (prev - cur) mod B with both codes range-checked; False on a bad code."""
         for i in range(out.shape[0]):
-            p = prev[i]
-            c = cur[i]
+            p = np.int64(prev[i])  # widened first: numba's uint8 - uint8 wraps as uint64
+            c = np.int64(cur[i])
             if p < 0 or p >= n_levels or c < 0 or c >= n_levels:
                 return False
             d = p - c
@@ -208,8 +214,8 @@ if HAVE_NUMBA:
     def _undo_kernel(prev, delta, n_levels, out):  # pragma: no cover - compiled
         """out = (prev - D) mod B for in-range inputs; False sends the caller to the general mod."""
         for i in range(out.shape[0]):
-            p = prev[i]
-            d = delta[i]
+            p = np.int64(prev[i])
+            d = np.int64(delta[i])
             if p < 0 or p >= n_levels or d < 0 or d >= n_levels:
                 return False
             c = p - d
@@ -221,8 +227,8 @@ if HAVE_NUMBA:
         """Delta and counting-sort scatter at once; prev already range-checked."""
         pos = starts.copy()
         for j in range(cur.shape[0]):
-            p = prev[j]
-            c = cur[j]
+            p = np.int64(prev[j])
+            c = np.int64(cur[j])
             if c < 0 or c >= n_levels:
                 return False
             d = p - c
@@ -235,8 +241,8 @@ if HAVE_NUMBA:
         """Counting-sort gather and inverse delta at once; False on a delta outside [0, B)."""
         pos = starts.copy()
         for j in range(out.shape[0]):
-            p = prev[j]
-            d = delta_sorted[pos[p]]
+            p = np.int64(prev[j])
+            d = np.int64(delta_sorted[pos[p]])
             pos[p] += 1
             if d < 0 or d >= n_levels:
                 return False
@@ -247,7 +253,7 @@ if HAVE_NUMBA:
     @_numba.njit(cache=True, nogil=True)
     def _count_kernel(keys, n_levels, sizes):  # pragma: no cover - compiled
         for j in range(keys.shape[0]):
-            k = keys[j]
+            k = np.int64(keys[j])
             if k < 0 or k >= n_levels:
                 return False
             sizes[k] += 1
@@ -286,8 +292,26 @@ def _flat_codes(t: torch.Tensor, name: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of integer codes, got {type(t).__name__}")
     if t.dtype not in _INT_DTYPES:
-        raise TypeError(f"{name} must hold int32 or int64 codes, got {t.dtype}; cast with .long()")
+        raise TypeError(f"{name} must hold integer codes (uint8, int8, int16, int32 or int64), got {t.dtype}; "
+                        "cast with .long()")
     return t.reshape(-1).contiguous()
+
+
+def delta_dtype(dtype: torch.dtype, n_levels: int) -> torch.dtype:
+    """The dtype of a delta of ``dtype`` codes: the same, or the narrowest wider one that holds
+    n_levels - 1 (codes of fewer levels than the parent's, e.g. uint8 against int16)."""
+    if n_levels - 1 <= torch.iinfo(dtype).max:
+        return dtype
+    return next(d for d in _WIDER if n_levels - 1 <= torch.iinfo(d).max)
+
+
+def _wide(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    """A dtype both fit in, signed (the plain-torch mod subtracts first: a uint8 difference wraps)."""
+    return torch.int32 if a.element_size() <= 2 and b.element_size() <= 2 else torch.int64
+
+
+def _np_dtype(dtype: torch.dtype) -> np.dtype:
+    return torch.empty(0, dtype=dtype).numpy().dtype
 
 
 def _check_levels(n_levels: int) -> None:

@@ -129,7 +129,8 @@ def encode_codes(prev_codes: torch.Tensor | None, cur_codes: torch.Tensor, n_lev
     """Encode the integer codes of one tensor, against the previous checkpoint's codes if given.
 
     ``n_levels``: B, the cyclic buffer size; pass max(levels of prev, levels of cur). Codes may
-    live on any device; the delta, rearrangement and RLE run there, the entropy coder on CPU.
+    be of any integer dtype (narrow codes are not widened: same bytes) and live on any device;
+    the delta, rearrangement and RLE run there, the entropy coder on CPU.
     ``rearrange`` is ignored for a keyframe (there is no source bucket to group by).
     """
     if coder not in _CODER_IDS:

@@ -65,7 +65,7 @@ def huffman_encode(symbols, *, max_code_len: int = MAX_CODE_LEN, backend: str = 
     if not 1 <= max_code_len <= _FORMAT_MAX_LEN:
         raise ValueError(f"max_code_len must be in [1, {_FORMAT_MAX_LEN}], got {max_code_len}")
     fast = _pick(backend)
-    sym = as_symbols(symbols)
+    sym = as_symbols(symbols, narrow=fast)
     values, counts, index = symbol_table(sym)
     k = values.size
     if k > 1 << max_code_len:

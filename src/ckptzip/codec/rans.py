@@ -70,7 +70,7 @@ def rans_encode(symbols, *, lanes: int | None = None, backend: str = "auto") -> 
     interleaved states (None: by payload size, ``choose_lanes``). ``backend``: "auto" (numba if
     installed), "numba" or "numpy" (the plain reference, same bytes)."""
     fast = _pick(backend)
-    sym = as_symbols(symbols)
+    sym = as_symbols(symbols, narrow=fast)
     values, counts, lo, lut = symbol_counts(sym)
     if lut is None:  # a sparse alphabet: the kernels read positions in values
         sym, lo, lut = np.searchsorted(values, sym).astype(np.int32), 0, np.arange(values.size, dtype=np.int32)

@@ -51,7 +51,7 @@ def rle_encode(x: torch.Tensor, group_sizes: torch.Tensor | None = None, *,
     ``group_sizes``: optional counts (summing to ``len(x)``) of consecutive groups that runs must
     not cross. ``backend``: "auto" (numba on CPU when installed), "numba" or "torch".
     """
-    x = _flat_int(x, "x").to(torch.int64).contiguous()
+    x = _flat_int(x, "x").contiguous()
     n = x.numel()
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=x.device)
@@ -59,11 +59,12 @@ def rle_encode(x: torch.Tensor, group_sizes: torch.Tensor | None = None, *,
     if lo < 0:
         raise ValueError(f"rle_encode needs values >= 0, got a minimum of {lo}; offset the values first")
     cuts = _group_starts(group_sizes, n, x.device) if group_sizes is not None else None
-    if _use_numba(backend, x):
+    if _use_numba(backend, x) and x.dtype != torch.uint64:  # the kernel reads narrow values as they are
         ends = np.zeros(0, np.int64) if cuts is None else cuts.numpy()
         out = np.empty(n, dtype=np.int64)          # a run of length L writes min(L, 2) <= L entries
         used = _encode_kernel(x.numpy(), ends, out)
         return torch.from_numpy(out[:used].copy())
+    x = x.to(torch.int64)
     new_run = torch.ones(n, dtype=torch.bool, device=x.device)   # (n,) True where a run starts
     new_run[1:] = x[1:] != x[:-1]
     if cuts is not None:
@@ -155,7 +156,7 @@ if HAVE_NUMBA:
         for g in range(cuts.shape[0] + 1):
             end = cuts[g] if g < cuts.shape[0] else n
             while i < end:
-                v = x[i]
+                v = np.int64(x[i])  # widened first: numba negates a uint8 as a wrapping uint8
                 j = i + 1
                 while j < end and x[j] == v:
                     j += 1

@@ -23,18 +23,29 @@ import torch
 
 from ..errors import CorruptCheckpointError
 
-def as_symbols(symbols) -> np.ndarray:
-    """Any 1-D integer array-like (numpy, torch on any device, list) -> contiguous int64 numpy."""
+# integer dtypes the numba kernels read as they are (each op widens to int64 first): a code stream of
+# 124M uint8 codes widened to int64 was 1 GB of fresh pages per save, a page fault per 4 KiB
+NARROW = (np.uint8, np.int8, np.int16, np.int32, np.int64)
+
+
+def as_symbols(symbols, *, narrow: bool = False) -> np.ndarray:
+    """Any 1-D integer array-like (numpy, torch on any device, list) -> contiguous int64 numpy.
+    ``narrow``: keep a dtype in NARROW as it is (for kernels that widen each value themselves)."""
     if isinstance(symbols, torch.Tensor):
         if symbols.dtype.is_floating_point or symbols.dtype.is_complex or symbols.dtype == torch.bool:
             raise TypeError(f"symbols must be integers, got {symbols.dtype}")
-        symbols = symbols.detach().reshape(-1).to("cpu", torch.int64).numpy()
+        t = symbols.detach().reshape(-1).cpu()
+        symbols = t.numpy() if narrow and t.dtype in _TORCH_NARROW else t.to(torch.int64).numpy()
     a = np.asarray(symbols)
     if a.dtype.kind not in "iu" and not (a.size == 0 and a.dtype.kind == "f"):
         raise TypeError(f"symbols must be integers, got dtype {a.dtype}")
     if a.dtype == np.uint64 and a.size and int(a.max()) >= 1 << 63:
         raise ValueError("symbols must fit in int64")
-    return np.ascontiguousarray(a.reshape(-1), dtype=np.int64)
+    keep = narrow and a.dtype.type in NARROW
+    return np.ascontiguousarray(a.reshape(-1), dtype=a.dtype if keep else np.int64)
+
+
+_TORCH_NARROW = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def write_varint(out: bytearray, value: int) -> None:

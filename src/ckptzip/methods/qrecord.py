@@ -43,8 +43,8 @@ def store(enc: Encoded, name: str, q: QuantizedTensor, prev: Codes | None, *, me
     B = max(q.n_levels, prev.n_levels) if prev is not None else q.n_levels  # levels may change between saves
     if coder == "auto":
         coder, rearrange, rle = choose_coder(q.codes, prev)
-    codes = q.codes if q.codes.dtype in (torch.int32, torch.int64) else q.codes.long()  # one tensor at a time
-    blob = encode_codes(prev.codes.long() if prev is not None else None, codes, B, rearrange=rearrange, rle=rle,
+    # narrow codes (uint8) go in as they are: the delta and coder kernels widen value by value
+    blob = encode_codes(prev.codes if prev is not None else None, q.codes, B, rearrange=rearrange, rle=rle,
                         coder=coder)
     stages = ([S.CYCLIC_DELTA] + ([S.REARRANGE] if rearrange else []) if prev is not None else []) + \
         ([S.RLE] if rle else []) + [S.CODER_STAGES[coder]]
