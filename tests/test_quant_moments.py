@@ -152,9 +152,11 @@ def test_batched_pairs_equal_one_by_one(codec):
             assert torch.equal(em.codes, qm.codes) and torch.equal(em.side["scale"], qm.side["scale"])
 
 
-def test_factored_tail_kernel_equals_the_torch_reference(monkeypatch):
+@pytest.mark.parametrize("v_step", [0.5, 0.004])
+def test_factored_tail_kernel_equals_the_torch_reference(monkeypatch, v_step):
     """The fused residual + zigzag of factored v codes (momentkernels.factored_tail) against the torch
-    code beside it, on 2-D moments with row and column structure, zeros and a wide range."""
+    code beside it, on 2-D moments with row and column structure, zeros and a wide range; a fine
+    step makes codes in the thousands (the kernel's output then int32, else uint8 / int16)."""
     if not M.K.HAVE_NUMBA:
         pytest.skip("numba is not installed")
     g = torch.Generator().manual_seed(7)
@@ -167,10 +169,12 @@ def test_factored_tail_kernel_equals_the_torch_reference(monkeypatch):
     calls = []
     tail = M.K.factored_tail
     monkeypatch.setattr(M.K, "factored_tail", lambda *a: calls.append(1) or tail(*a))
-    fast = M.encode_pairs_levels(pairs, M.GridCodec())
+    codec = M.GridCodec(v_step=v_step)
+    fast = M.encode_pairs_levels(pairs, codec)
     assert len(calls) == 3
+    assert (max(qv.n_levels for _, qv, _ in fast) > 1000) == (v_step < 0.1)
     monkeypatch.setattr(M, "_use_kernels", lambda x: False)
-    for (_, qv, _), (_, rv, _) in zip(fast, M.encode_pairs_levels(pairs, M.GridCodec())):
+    for (_, qv, _), (_, rv, _) in zip(fast, M.encode_pairs_levels(pairs, codec)):
         assert qv.meta["factored"] and rv.meta["factored"]
         assert torch.equal(qv.codes, rv.codes) and qv.n_levels == rv.n_levels
         assert all(torch.equal(qv.side[k], rv.side[k]) for k in ("row", "col"))

@@ -112,24 +112,27 @@ def _as_2d(shape) -> tuple[int, int] | None:
 def grid_codes(v: torch.Tensor, hp: AdamHP, step: float, m: torch.Tensor | None = None) -> torch.Tensor:
     """Absolute grid codes c = round(log2(D / eps) / step), int64 flat; 0 only for v == 0 == m."""
     vf = _f32(v, "exp_avg_sq")
-    return _grid_codes(vf, _denominator(vf, hp), hp.eps, step, None if m is None else _f32(m, "exp_avg"))
+    return _grid_codes(vf, _denominator(vf, hp), hp.eps, step, None if m is None else _f32(m, "exp_avg"))[0].long()
 
 
 def _grid_codes(vf: torch.Tensor, D: torch.Tensor, eps: float | torch.Tensor, step: float, mf: torch.Tensor | None
-                ) -> torch.Tensor:
-    """grid_codes of checked flat fp32 v (and m) whose denominator is D (``eps``: Adam's, or one per element)."""
+                ) -> tuple[torch.Tensor, int | None]:
+    """grid_codes of checked flat fp32 v (and m) whose denominator is D (``eps``: Adam's, or one per
+    element) -> (codes, their max or None): int32 codes from the kernel (a log2 over a step is
+    small: half the fresh pages of int64), int64 from the reference."""
     if not step > 0:
         raise ConfigError(f"moment grid step must be > 0 (log2 units), got {step}")
     t = torch.div(D, eps).log2_().div_(step)
     if _use_kernels(t):  # the integer tail below in one pass (quant/momentkernels.py)
-        out = np.empty(t.numel(), dtype=np.int64)
-        if K.grid_tail(t.numpy(), vf.numpy(), (mf if mf is not None else vf[:0]).numpy(), out):
-            return torch.from_numpy(out)
+        out = np.empty(t.numel(), dtype=np.int32)
+        top = int(K.grid_tail(t.numpy(), vf.numpy(), (mf if mf is not None else vf[:0]).numpy(), out, 2.0 ** 31 - 1))
+        if top >= 0:
+            return torch.from_numpy(out), top
     c = t.round_().to(torch.int64).clamp_min_(1)
     zero = vf == 0
     if mf is not None:
         zero &= mf == 0
-    return c.masked_fill_(zero, 0)
+    return c.masked_fill_(zero, 0), None
 
 
 def _use_kernels(x: torch.Tensor) -> bool:
@@ -140,11 +143,14 @@ def _use_kernels(x: torch.Tensor) -> bool:
 def quantize_v(v: torch.Tensor, hp: AdamHP, *, step: float = 0.5, factored: bool = False,
                m: torch.Tensor | None = None) -> QuantizedTensor:
     """v (exp_avg_sq) -> grid codes (factored: zigzag residuals, int16 side ``row``/``col``)."""
-    return _grid_record(grid_codes(v, hp, step, m), v, step, factored)
+    vf = _f32(v, "exp_avg_sq")
+    c, top = _grid_codes(vf, _denominator(vf, hp), hp.eps, step, None if m is None else _f32(m, "exp_avg"))
+    return _grid_record(c, v, step, factored, top)
 
 
-def _grid_record(c: torch.Tensor, v: torch.Tensor, step: float, factored: bool) -> QuantizedTensor:
-    """quantize_v's record of v's absolute grid codes c."""
+def _grid_record(c: torch.Tensor, v: torch.Tensor, step: float, factored: bool, cmax: int | None = None
+                 ) -> QuantizedTensor:
+    """quantize_v's record of v's absolute grid codes c (``cmax``: a bound on them, if known)."""
     side, meta, top = {}, {"step": step, "factored": False}, None
     rc = _as_2d(v.shape) if factored else None
     if rc is not None:
@@ -152,9 +158,13 @@ def _grid_record(c: torch.Tensor, v: torch.Tensor, step: float, factored: bool) 
         a = torch.round(c2.mean(1))
         b = torch.round(c2.sub_(a[:, None]).mean(0))  # in place: c2 is this function's own copy
         del c2  # before the residuals' int64 output (a save's peak memory is this function on its largest v)
-        if max(float(a.abs().max()), float(b.abs().max())) < 2 ** 15:
+        effects = max(float(a.abs().max()), float(b.abs().max()))
+        if effects < 2 ** 15:
             if _use_kernels(c) and c.is_contiguous():  # the tail below in one pass (momentkernels.py)
-                out = np.empty(c.numel(), dtype=np.int64)
+                # |c - (a + b)| <= max c + 2 max|effect|: zigzag at most twice that, in the narrowest dtype
+                bound = 2 * ((int(c.max()) if cmax is None else cmax) + 2 * int(effects))
+                out = np.empty(c.numel(), dtype=next(d for d in (np.uint8, np.int16, np.int32, np.int64)
+                                                     if bound <= np.iinfo(d).max))
                 top = int(K.factored_tail(c.numpy(), a.numpy(), b.numpy(), out))
                 c = torch.from_numpy(out)
             else:
@@ -400,9 +410,9 @@ def encode_pairs_levels(pairs: list[tuple[torch.Tensor, torch.Tensor, AdamHP]], 
     ns = [v.numel() for v in vs]
     bc2, eps = (_per_element([getattr(hp, k) for *_, hp in pairs], ns, vf) for k in ("bc2", "eps"))
     D = (vf.clamp_min(0) / bc2).sqrt_().add_(eps)  # _denominator
-    c = _grid_codes(vf, D, eps, codec.v_step, mf)
+    c, top = _grid_codes(vf, D, eps, codec.v_step, mf)
     cs = [c[at:at + n] for at, n in zip(_offsets(ns), ns)]
-    qvs = [_grid_record(ci, v, codec.v_step, codec.factored) for ci, v in zip(cs, vs)]
+    qvs = [_grid_record(ci, v, codec.v_step, codec.factored, top) for ci, v in zip(cs, vs)]
     # v is final: its codes and levels narrowed before m's pass allocates its own temporaries (on
     # a large tensor int64 codes and levels were 16 of the ~39 bytes an element a save peaked at)
     for qv in qvs:
