@@ -1,4 +1,6 @@
 """quant/moments.py: v on a fixed log grid of Adam's denominator, m as a few-bit direction."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -173,11 +175,20 @@ def test_factored_tail_kernel_equals_the_torch_reference(monkeypatch, v_step):
     fast = M.encode_pairs_levels(pairs, codec)
     assert len(calls) == 3
     assert (max(qv.n_levels for _, qv, _ in fast) > 1000) == (v_step < 0.1)
+    # the decoder's inverse (momentkernels.factored_levels), and a damaged record's negative level
+    levels = [M.decode_grid(qv) for _, qv, _ in fast]
+    bad = dataclasses.replace(fast[0][1], side={**fast[0][1].side, "row": fast[0][1].side["row"] - 10 ** 4})
+    with pytest.raises(ValueError, match="negative level"):
+        M.decode_grid(bad)
     monkeypatch.setattr(M, "_use_kernels", lambda x: False)
-    for (_, qv, _), (_, rv, _) in zip(fast, M.encode_pairs_levels(pairs, codec)):
+    with pytest.raises(ValueError, match="negative level"):
+        M.decode_grid(bad)
+    for (_, qv, lv), (_, rv, _), got in zip(fast, M.encode_pairs_levels(pairs, codec), levels):
         assert qv.meta["factored"] and rv.meta["factored"]
         assert torch.equal(qv.codes, rv.codes) and qv.n_levels == rv.n_levels
         assert all(torch.equal(qv.side[k], rv.side[k]) for k in ("row", "col"))
+        want = M.decode_grid(qv)
+        assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want) and torch.equal(got, lv)
 
 
 @pytest.mark.parametrize("codec", [M.GridCodec(), M.GridCodec(prune=0.0, group=100)])

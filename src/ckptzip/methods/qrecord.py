@@ -111,7 +111,7 @@ def load(enc: Encoded, name: str, shape, dtype: str, prev: Codes | None) -> Quan
         raise CorruptCheckpointError(f"record {name!r} is a delta but its parent checkpoint has no codes for it")
     part = _parts(enc, name, meta)
     try:
-        codes = decode_codes(part("codes"), prev.codes.long() if meta.get("delta") else None)
+        codes = decode_codes(part("codes"), prev.codes if meta.get("delta") else None)  # narrow prev: read as is
     except ValueError as e:  # header and record disagree (delta flag, code count): a damaged file
         raise CorruptCheckpointError(f"record {name!r}: {e}") from None
     n = 1

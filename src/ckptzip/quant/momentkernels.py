@@ -8,6 +8,7 @@ bit (tests/test_quant_moments.py); CUDA tensors and hosts without numba run the 
                                             # -1: a t not finite or over limit (out's dtype), run the reference
     sign_tail(ug, scale, cut, out)          # 1-bit direction codes: 2 / 0 by the sign of u / s, 1 where |u| <= cut
     top = factored_tail(c, a, b, out)       # zigzag(c - (a[row] + b[col])) of a (rows, cols) grid, and its max
+    low = factored_levels(z, a, b, out)     # its inverse (decode): unzigzag(z) + a[row] + b[col], and its min
 
 Outputs may be narrower than int64 (the caller bounds them): on GPT-2 124M's embedding each int64
 output was 309 MB of fresh pages per save.
@@ -25,7 +26,7 @@ from ..logbuckets import HAVE_NUMBA
 if HAVE_NUMBA:
     import numba as _numba
 
-__all__ = ["HAVE_NUMBA", "grid_tail", "sign_tail", "factored_tail"]
+__all__ = ["HAVE_NUMBA", "grid_tail", "sign_tail", "factored_tail", "factored_levels"]
 
 if HAVE_NUMBA:
     @_numba.njit(cache=True, nogil=True)
@@ -81,5 +82,22 @@ if HAVE_NUMBA:
                 out[base + j] = z
                 top = max(top, z)
         return top
+
+    @_numba.njit(cache=True, nogil=True)
+    def factored_levels(z, a, b, out):  # pragma: no cover - compiled
+        """out = unzigzag(z) + (a[i] + b[j]) over the flat (len(a), len(b)) grid of zigzag codes ``z``
+        (>= 0, any integer dtype) with integer row / column effects; returns min(out) (0 when empty).
+        The reference's five int64 passes and its full-size prediction, in one."""
+        cols = b.shape[0]
+        low = np.int64(0)
+        for i in range(a.shape[0]):
+            ai = np.int64(a[i])
+            base = i * cols
+            for j in range(cols):
+                zz = np.int64(z[base + j])
+                c = ((zz >> 1) ^ -(zz & 1)) + ai + np.int64(b[j])
+                out[base + j] = c
+                low = min(low, c)
+        return low
 else:  # pragma: no cover
-    grid_tail = sign_tail = factored_tail = None
+    grid_tail = sign_tail = factored_tail = factored_levels = None

@@ -179,28 +179,35 @@ def _grid_record(c: torch.Tensor, v: torch.Tensor, step: float, factored: bool, 
 
 def decode_grid(q: QuantizedTensor) -> torch.Tensor:
     """Absolute grid codes (int64, flat) of a quantize_v result."""
-    c = q.codes.reshape(-1).to(torch.int64)
+    c = q.codes.reshape(-1)
     if q.meta.get("factored"):
         rc = _as_2d(q.shape)
         row, col = q.side.get("row"), q.side.get("col")
         if rc is None or row is None or col is None or row.numel() != rc[0] or col.numel() != rc[1]:
             raise ValueError(f"factored grid codes need row/col effects of sizes {rc}")
-        pred = row.to(c.device, torch.int64)[:, None] + col.to(c.device, torch.int64)[None, :]
-        c = _unzigzag(c) + pred.reshape(-1)
-        if bool((c < 0).any()):
+        if _use_kernels(c) and c.is_contiguous() and row.device.type == col.device.type == "cpu":
+            out = np.empty(c.numel(), dtype=np.int64)  # the levels in one pass (quant/momentkernels.py)
+            low = int(K.factored_levels(c.numpy(), row.contiguous().numpy(), col.contiguous().numpy(), out))
+            c = torch.from_numpy(out)
+        else:
+            pred = row.to(c.device, torch.int64)[:, None] + col.to(c.device, torch.int64)[None, :]
+            c = _unzigzag(c.to(torch.int64)) + pred.reshape(-1)
+            low = int(c.min()) if c.numel() else 0
+        if low < 0:
             raise ValueError("factored grid codes decode to a negative level")
-    return c
+    return c.to(torch.int64)
 
 
 def decode_denominator(q: QuantizedTensor, hp: AdamHP, codes: torch.Tensor | None = None) -> torch.Tensor:
     """D_q = eps * 2**(c * step), flat fp32 (c = 0: D = eps, i.e. v = 0); ``codes``: decode_grid(q)."""
     c = decode_grid(q) if codes is None else codes
-    return torch.exp2(c.to(torch.float64) * float(q.meta["step"])).mul_(hp.eps).to(torch.float32)
+    # in place on one float64 copy: each out-of-place op was 8 fresh bytes an element (same values)
+    return c.to(torch.float64, copy=True).mul_(float(q.meta["step"])).exp2_().mul_(hp.eps).to(torch.float32)
 
 
 def v_from_denominator(D: torch.Tensor, hp: AdamHP, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """v = (D - eps)^2 * (1 - beta2^t): the exp_avg_sq Adam will read."""
-    v = (D.to(torch.float64) - hp.eps).clamp_min_(0).square_().mul_(hp.bc2)
+    v = D.to(torch.float64, copy=True).sub_(hp.eps).clamp_min_(0).square_().mul_(hp.bc2)
     return v.to(dtype).reshape(shape)
 
 
