@@ -1,0 +1,70 @@
+"""CPU time of a method's encode and decode with its system time and page faults, beside zstd-3
+(issue 15, "Narrow code streams" in docs/BENCHMARKS.md). A fresh page costs microseconds on a VM:
+``getrusage(RUSAGE_THREAD)`` splits the thread's CPU into user and sys and counts minor faults.
+
+Two GPT-2 124M checkpoints (bench/speed.py's ``gpt2_states``), trained once and kept in --states so
+that builds compare over the same bytes, one process per build (PYTHONPATH picks the build):
+
+    PYTHONPATH=src .venv/bin/python bench/pagefaults.py dynaquant [--states /tmp/gpt2_states.pt]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import resource
+import sys
+
+import torch
+import zstandard
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from speed import gpt2_states, raw_bytes  # noqa: E402
+
+
+def usage() -> tuple[float, float, int]:
+    r = resource.getrusage(resource.RUSAGE_THREAD)
+    return r.ru_utime + r.ru_stime, r.ru_stime, r.ru_minflt
+
+
+def main() -> None:
+    from ckptzip.methods.base import DecodeContext, EncodeContext, get_method
+    from ckptzip.state import flatten_state
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("method", nargs="?", default="dynaquant")
+    p.add_argument("--states", default="/tmp/gpt2_states.pt")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    if not os.path.exists(args.states):
+        torch.save(gpt2_states(2), args.states)
+    states = torch.load(args.states)
+
+    def add(acc, a, b):
+        return [x + (y - z) for x, y, z in zip(acc, b, a)]
+
+    cz, z = zstandard.ZstdCompressor(level=3), [0.0, 0.0, 0]
+    for s in states:
+        raw = raw_bytes(s)
+        a = usage()
+        cz.compress(raw)
+        z = add(z, a, usage())
+        del raw
+    enc_m, dec_m = get_method(args.method), get_method(args.method)
+    e, d, ref, dref = [0.0, 0.0, 0], [0.0, 0.0, 0], None, None
+    for i, s in enumerate(states):
+        a = usage()
+        flat = flatten_state(s)
+        enc, ref = enc_m.encode(flat, ref, ctx=EncodeContext(step=i + 1))
+        e = add(e, a, usage())
+        a = usage()
+        out, dref = dec_m.decode(flat.records, enc, dref, ctx=DecodeContext(step=i + 1, device="cpu"))
+        d = add(d, a, usage())
+        del enc, flat, out
+        gc.collect()
+    print(f"{args.method}: encode CPU {e[0]:.2f} s (sys {e[1]:.2f}, faults {e[2]}), decode CPU {d[0]:.2f} s "
+          f"(sys {d[1]:.2f}, faults {d[2]}); zstd-3 CPU {z[0]:.2f} s (sys {z[1]:.2f}); encode x zstd-3 {e[0] / z[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
