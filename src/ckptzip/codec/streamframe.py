@@ -26,6 +26,7 @@ from ..errors import CorruptCheckpointError
 # integer dtypes the numba kernels read as they are (each op widens to int64 first): a code stream of
 # 124M uint8 codes widened to int64 was 1 GB of fresh pages per save, a page fault per 4 KiB
 NARROW = (np.uint8, np.int8, np.int16, np.int32, np.int64)
+_TORCH_NARROW = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def as_symbols(symbols, *, narrow: bool = False) -> np.ndarray:
@@ -44,8 +45,6 @@ def as_symbols(symbols, *, narrow: bool = False) -> np.ndarray:
     keep = narrow and a.dtype.type in NARROW
     return np.ascontiguousarray(a.reshape(-1), dtype=a.dtype if keep else np.int64)
 
-
-_TORCH_NARROW = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def write_varint(out: bytearray, value: int) -> None:
