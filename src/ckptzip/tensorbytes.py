@@ -34,6 +34,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype that carries a torch dtype's bits (DTYPES)."""
+    return DTYPES[dtype_name(dtype)][1]
+
+
+def narrowest_int(hi: int) -> torch.dtype:
+    """The narrowest of BITS_DTYPE's integer types (uint8, int16, int32, int64) holding every value in [0, hi]."""
+    return next(d for d in BITS_DTYPE.values() if hi <= torch.iinfo(d).max)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a dtype name read from a file (CorruptCheckpointError if it is none we write)."""
     return _dtypes(name)[0]

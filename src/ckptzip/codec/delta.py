@@ -40,6 +40,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..tensorbytes import numpy_dtype
+
 try:  # numba is an optional fast path; the torch reference below is always available
     import numba as _numba
 except ImportError:  # pragma: no cover - exercised only where numba is missing
@@ -63,7 +65,7 @@ def cyclic_delta(prev: torch.Tensor, cur: torch.Tensor, n_levels: int, *,
     dtype = delta_dtype(cur.dtype, n_levels)
     if _use_numba(backend, prev, cur):
         # numpy-allocated output: large fresh torch buffers pay a page fault per 4 KiB page
-        out = np.empty(cur.numel(), dtype=_np_dtype(dtype))
+        out = np.empty(cur.numel(), dtype=numpy_dtype(dtype))
         if _delta_kernel(prev.numpy(), cur.numpy(), n_levels, out):
             return torch.from_numpy(out)
     _check_range(prev, n_levels, "prev")  # also gives the message when the kernel found a bad code
@@ -139,7 +141,7 @@ def grouped_cyclic_delta(prev: torch.Tensor, cur: torch.Tensor, n_levels: int, *
     _check_same_len(prev, cur, "cur")
     if _use_numba(backend, cur, prev):
         sizes, starts = _numba_groups(prev, n_levels)
-        out = np.empty(cur.numel(), dtype=_np_dtype(delta_dtype(cur.dtype, n_levels)))
+        out = np.empty(cur.numel(), dtype=numpy_dtype(delta_dtype(cur.dtype, n_levels)))
         if _grouped_delta_kernel(prev.numpy(), cur.numpy(), n_levels, starts, out):
             return torch.from_numpy(out), torch.from_numpy(sizes)
         _check_range(cur, n_levels, "cur")
@@ -308,10 +310,6 @@ def delta_dtype(dtype: torch.dtype, n_levels: int) -> torch.dtype:
 def _wide(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
     """A dtype both fit in, signed (the plain-torch mod subtracts first: a uint8 difference wraps)."""
     return torch.int32 if a.element_size() <= 2 and b.element_size() <= 2 else torch.int64
-
-
-def _np_dtype(dtype: torch.dtype) -> np.dtype:
-    return torch.empty(0, dtype=dtype).numpy().dtype
 
 
 def _check_levels(n_levels: int) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from ..configcheck import Range
 from ..errors import ConfigError, NonFiniteError
-from ..tensorbytes import FLOAT_DTYPES
+from ..tensorbytes import FLOAT_DTYPES, narrowest_int
 
 MIN_NUMEL = 1024  # every quantizer config's default ``min_numel``: smaller tensors are left exact
 MIN_NUMEL_RANGE = Range(ge=1, note=" (the methods store smaller tensors exact)")
@@ -75,5 +75,4 @@ def compact(codes: torch.Tensor, n_levels: int) -> torch.Tensor:
     Chosen by ``n_levels``, not by the largest code present: a dequantizer compares codes with its
     top level (protected, outlier), which a narrower dtype could not represent."""
     codes = codes.detach().reshape(-1).cpu()
-    hi = int(n_levels) - 1
-    return codes.to(torch.uint8 if hi < 256 else torch.int16 if hi < 32768 else torch.int32)
+    return codes.to(narrowest_int(int(n_levels) - 1))

@@ -45,7 +45,7 @@ import torch
 
 from ..configcheck import OneOf, Range, check_fields
 from ..errors import ConfigError, NonFiniteError
-from ..tensorbytes import dtype_name, torch_dtype
+from ..tensorbytes import dtype_name, narrowest_int, numpy_dtype, torch_dtype
 from . import momentkernels as K
 from .base import MIN_NUMEL_RANGE, QuantizedTensor, all_finite, compact
 
@@ -163,8 +163,7 @@ def _grid_record(c: torch.Tensor, v: torch.Tensor, step: float, factored: bool, 
             if _use_kernels(c) and c.is_contiguous():  # the tail below in one pass (momentkernels.py)
                 # |c - (a + b)| <= max c + 2 max|effect|: zigzag at most twice that, in the narrowest dtype
                 bound = 2 * ((int(c.max()) if cmax is None else cmax) + 2 * int(effects))
-                out = np.empty(c.numel(), dtype=next(d for d in (np.uint8, np.int16, np.int32, np.int64)
-                                                     if bound <= np.iinfo(d).max))
+                out = np.empty(c.numel(), dtype=numpy_dtype(narrowest_int(bound)))
                 top = int(K.factored_tail(c.numpy(), a.numpy(), b.numpy(), out))
                 c = torch.from_numpy(out)
             else:
