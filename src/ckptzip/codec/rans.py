@@ -326,6 +326,13 @@ if HAVE_NUMBA:
         q = _mulhi(x, t[s, 1]) >> (c >> _U32)
         return x + t[s, 2] + q * (c & _LO), w, e
 
+    @_numba.njit(inline="always")
+    def _push(x, t, s, out, pos):  # pragma: no cover - compiled
+        """_enc, its word stored at out[pos - 1] -> (new state, pos less one if the word was emitted)."""
+        x, w, e = _enc(x, t, s)
+        out[pos - 1] = w
+        return x, pos - np.int64(e)
+
     @_numba.njit(cache=True, nogil=True)
     def _encode_kernel(sym, lo, lut, freqs, P, lanes, out):  # pragma: no cover - compiled
         """Encode sym (backwards; symbol v has rank lut[v - lo]) into out's tail, the lanes' final
@@ -338,13 +345,11 @@ if HAVE_NUMBA:
         while i >= 0 and i % lanes != lanes - 1:  # the tail of a partial group: lane = i % lanes
             j = i % lanes
             if j == 0:
-                x0, w, e = _enc(x0, t, lut[sym[i] - lo])
+                x0, pos = _push(x0, t, lut[sym[i] - lo], out, pos)
             elif j == 1:
-                x1, w, e = _enc(x1, t, lut[sym[i] - lo])
+                x1, pos = _push(x1, t, lut[sym[i] - lo], out, pos)
             else:
-                x2, w, e = _enc(x2, t, lut[sym[i] - lo])
-            out[pos - 1] = w
-            pos -= np.int64(e)
+                x2, pos = _push(x2, t, lut[sym[i] - lo], out, pos)
             i -= 1
         # whole groups, one loop per lane count (a lane test inside the loop costs ~25 %); each
         # group first checks room for its words and the lanes' flush in front
@@ -352,37 +357,23 @@ if HAVE_NUMBA:
             while i >= 3:
                 if pos <= 12:
                     return -1
-                x3, w, e = _enc(x3, t, lut[sym[i] - lo])
-                out[pos - 1] = w
-                pos -= np.int64(e)
-                x2, w, e = _enc(x2, t, lut[sym[i - 1] - lo])
-                out[pos - 1] = w
-                pos -= np.int64(e)
-                x1, w, e = _enc(x1, t, lut[sym[i - 2] - lo])
-                out[pos - 1] = w
-                pos -= np.int64(e)
-                x0, w, e = _enc(x0, t, lut[sym[i - 3] - lo])
-                out[pos - 1] = w
-                pos -= np.int64(e)
+                x3, pos = _push(x3, t, lut[sym[i] - lo], out, pos)
+                x2, pos = _push(x2, t, lut[sym[i - 1] - lo], out, pos)
+                x1, pos = _push(x1, t, lut[sym[i - 2] - lo], out, pos)
+                x0, pos = _push(x0, t, lut[sym[i - 3] - lo], out, pos)
                 i -= 4
         elif lanes == 2:
             while i >= 1:
                 if pos <= 6:
                     return -1
-                x1, w, e = _enc(x1, t, lut[sym[i] - lo])
-                out[pos - 1] = w
-                pos -= np.int64(e)
-                x0, w, e = _enc(x0, t, lut[sym[i - 1] - lo])
-                out[pos - 1] = w
-                pos -= np.int64(e)
+                x1, pos = _push(x1, t, lut[sym[i] - lo], out, pos)
+                x0, pos = _push(x0, t, lut[sym[i - 1] - lo], out, pos)
                 i -= 2
         else:
             while i >= 0:
                 if pos <= 3:
                     return -1
-                x0, w, e = _enc(x0, t, lut[sym[i] - lo])
-                out[pos - 1] = w
-                pos -= np.int64(e)
+                x0, pos = _push(x0, t, lut[sym[i] - lo], out, pos)
                 i -= 1
         pos -= 2 * lanes
         for j in range(lanes):
