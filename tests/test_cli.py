@@ -216,7 +216,8 @@ def test_trainer_folder_compress_restore(run, tmp_path):
     assert cli("compress", d1, "--out", crc, "--checksum", "crc32").exit_code == 0
     assert CheckpointChain(str(crc)).manifest(s1.step)["format_version"] == 2
     r = cli("compress", d1, "--out", tmp_path / "md5", "--checksum", "md5")
-    assert r.exit_code == 2 and "--checksum must be one of sha256, crc32" in r.stderr
+    assert r.exit_code == 2 and "--checksum must be one of sha256, crc32, blake3" in r.stderr
+    assert CheckpointChain(str(chain)).manifest(s1.step)["format_version"] == 3  # the default: BLAKE3
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "md5").exists()
 
 

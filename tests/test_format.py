@@ -10,13 +10,14 @@ import pathlib
 import random
 import struct
 
+import blake3
 import numpy as np
 import pytest
 import torch
 
 from ckptzip.errors import CkptzipError, CorruptCheckpointError, FormatVersionError
-from ckptzip.format import (FORMAT_VERSION, container_payload, decode_container, encode_container, read_manifest,
-                            unpack_manifest)
+from ckptzip.format import (CHECKSUMS, DEFAULT_CHECKSUM, FORMAT_VERSION, container_payload, decode_container,
+                            encode_container, read_manifest, unpack_manifest)
 from ckptzip.methods.base import EncodeContext
 from ckptzip.methods.lossless import LosslessMethod
 from ckptzip.state import flatten_state
@@ -68,13 +69,49 @@ def real_container() -> bytes:
 
 def test_golden_bytes_are_reproduced():
     manifest, blobs = golden.golden_container()
-    assert encode_container(manifest, blobs) == GOLDEN
+    assert encode_container(manifest, blobs, checksum="sha256") == GOLDEN  # golden_v1: format version 1
+
+
+def test_default_checksum_is_blake3_format_3():
+    """Files are written with BLAKE3 blob checksums (format version 3) unless asked otherwise; every
+    checksum round-trips and its file names its version."""
+    manifest, blobs = golden.golden_container()
+    assert DEFAULT_CHECKSUM == "blake3" and FORMAT_VERSION == 3
+    for kind, version in CHECKSUMS.items():
+        data = encode_container(manifest, blobs, **({} if kind == DEFAULT_CHECKSUM else {"checksum": kind}))
+        c = decode_container(data)
+        assert c.blobs == blobs and c.checksum == kind and c.manifest["format_version"] == version
+        assert all(set(e) == {"nbytes", kind} for e in c.manifest["blobs"].values())
+    table = decode_container(encode_container(manifest, blobs)).manifest["blobs"]
+    assert table["0.data"]["blake3"] == blake3.blake3(blobs["0.data"]).hexdigest()
+
+
+@pytest.mark.parametrize("kind", sorted(CHECKSUMS))
+def test_a_flipped_blob_byte_fails_every_checksum(kind):
+    manifest, blobs = golden.golden_container()
+    data = bytearray(encode_container(manifest, blobs, checksum=kind))
+    data[-3] ^= 0x01  # inside the last blob
+    with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
+        decode_container(bytes(data))
+
+
+def test_a_rewritten_version_cannot_skip_the_blob_check():
+    """The reader checks the checksum its file's version names: a file whose version digit was
+    changed to another checksum's lists none of that kind, and fails (the header matches)."""
+    manifest, blobs = golden.golden_container()
+    for kind, version in CHECKSUMS.items():
+        for other in set(CHECKSUMS.values()) - {version}:
+            data = encode_container(manifest, blobs, checksum=kind)
+            forged = data.replace(f'"ckptzip.format":"{version}"'.encode(), f'"ckptzip.format":"{other}"'.encode(), 1)
+            assert forged != data
+            with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
+                decode_container(forged)
 
 
 def test_payload_is_the_container_in_parts_without_copies():
     """What a save streams into storage: the golden bytes, part by part; the blobs are not copied."""
     manifest, blobs = golden.golden_container()
-    p = container_payload(manifest, blobs)
+    p = container_payload(manifest, blobs, checksum="sha256")
     assert bytes(p) == GOLDEN and len(p) == len(GOLDEN)
     assert all(part.obj is blobs[k] for part, k in zip(p.parts[1:], sorted(blobs)))
     f = p.reader()  # an S3 PUT body: read in odd sizes, rewound for a retry, sought from the end
@@ -91,7 +128,7 @@ def test_golden_decodes():
     c = decode_container(GOLDEN)
     assert c.blobs == blobs
     table = {k: {"nbytes": len(v), "sha256": hashlib.sha256(v).hexdigest()} for k, v in sorted(blobs.items())}
-    want = dict(manifest, format_version=FORMAT_VERSION, blobs=table)
+    want = dict(manifest, format_version=1, blobs=table)
     assert c.manifest == want
     assert list(c.manifest) == list(want)  # the manifest keeps its key order
     assert read_manifest(GOLDEN) == want
@@ -140,7 +177,7 @@ def test_safetensors_reads_golden_and_real(tmp_path, real_container):
         c = decode_container(data)
         with safetensors.safe_open(str(path), "pt") as f:
             meta = f.metadata()
-            assert meta["ckptzip.format"] == str(FORMAT_VERSION)
+            assert meta["ckptzip.format"] == str(c.manifest["format_version"])
             assert unpack_manifest(meta["ckptzip.manifest"]) == c.manifest
             assert sorted(f.keys()) == sorted(c.blobs)
             for k, blob in c.blobs.items():
@@ -286,8 +323,8 @@ def test_forged_headers_raise_typed_errors(what, data, msg):
 
 def test_newer_format_version_is_a_format_version_error():
     mstr = '{"blobs":{}}'
-    with pytest.raises(FormatVersionError, match="format version 3.*upgrade ckptzip"):
-        decode_container(forge_manifest(mstr, version="3"))  # 2: crc32 blob checksums, read since issue 15
+    with pytest.raises(FormatVersionError, match="format version 4.*upgrade ckptzip"):
+        decode_container(forge_manifest(mstr, version="4"))  # 2: crc32, 3: blake3 blob checksums (issue 15)
     assert issubclass(FormatVersionError, ValueError) and issubclass(CorruptCheckpointError, ValueError)
 
 

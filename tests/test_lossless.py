@@ -245,26 +245,26 @@ def test_small_records_of_one_width_and_mixed_dtypes_round_trip():
 
 def test_writer_reference_gives_the_delta_a_decoded_reference_gives(digits_snapshots):
     """A writer XORs each group blob with its parent group's words whole; a reference decoded from
-    the files (a restart) XORs record by record: the same blobs. A plane of a delta that did not
-    shrink is stored raw untried in the next delta and tried again in the one after."""
+    the files (a restart) XORs record by record: the same blobs. The planes of a delta that did not
+    shrink are the next delta's prediction (``raw_planes``), each blob's raw planes."""
     _, _, snaps, _ = digits_snapshots
     m = LosslessMethod()
     flats = [flatten_state({"model": s.model, "optimizer": s.optimizer}) for s in snaps[:5]]
     ref = dref = None
-    skipped = 0
+    predicted = 0
     for i, flat in enumerate(flats):
         enc, new = m.encode(flat, ref, ctx=EncodeContext(step=i))
         if dref is not None:
             twin, _ = m.encode(flat, dataclasses.replace(dref, raw_planes=ref.raw_planes), ctx=EncodeContext(step=i))
             assert twin.blobs == enc.blobs and twin.records == enc.records
-            for k, planes in new.raw_planes.items():  # tried-and-raw planes only: a skipped one is retried next
-                assert not set(planes) & set(ref.raw_planes.get(k, ())), k
-                skipped += len(ref.raw_planes.get(k, ()))
+            for k, planes in new.raw_planes.items():
+                assert planes == bytegroup.raw_planes(enc.blobs[k] if k in enc.blobs else enc.blob(k, "data")), k
+                predicted += len(ref.raw_planes.get(k, ()))
         tensors, dref = m.decode(flat.records, enc, dref, ctx=DecodeContext(step=i))
         assert all(bits_equal(tensors[n], t) for n, t in flat.tensors.items())
         assert all(bits_equal(new.exact[n], t) for n, t in flat.tensors.items())  # incl. views of group words
         ref = new
-    assert skipped > 0
+    assert predicted > 0
 
 
 def test_descriptor_and_registry():
@@ -322,9 +322,11 @@ def test_bytegroup_groups_planes_msb_first_and_stores_incompressible_raw():
     assert bytegroup.decompress(blob) == words.tobytes()
 
 
-def test_bytegroup_blobs_outlive_the_planes_buffer_and_store_raw_untried():
+def test_bytegroup_blobs_outlive_the_planes_buffer_and_store_raw_is_probed(monkeypatch):
     """Planes are split into one reused buffer per thread: a blob's raw planes are copied out of it, so
-    an earlier blob still decodes after later calls; ``store_raw`` planes are raw without a try."""
+    an earlier blob still decodes after later calls. A ``store_raw`` plane is compressed whole only
+    when zstd shrinks its first PROBE_BYTES: a near-random one costs one probe, a compressible one is
+    caught, and one whose first bytes are random stays raw (the probe's limit)."""
     rng = np.random.default_rng(0)
     a, b = (rng.integers(0, 2**32, 1000, dtype=np.uint32).tobytes() for _ in range(2))
     blob_a = bytegroup.compress(a, 4)
@@ -332,9 +334,22 @@ def test_bytegroup_blobs_outlive_the_planes_buffer_and_store_raw_untried():
     bytegroup.compress(b, 4)
     assert bytegroup.decompress(blob_a) == a
     zeros = bytes(4000)
-    blob = bytegroup.compress(zeros, 4, store_raw=(0, 2))
-    assert bytegroup.raw_planes(blob) == (0, 2) and bytegroup.decompress(blob) == zeros
+    assert bytegroup.raw_planes(bytegroup.compress(zeros, 4, store_raw=(0, 2))) == ()
     assert bytegroup.raw_planes(bytegroup.compress(zeros, 4)) == ()
+    n = 4 * bytegroup.PROBE_BYTES
+    noise = rng.integers(0, 256, (n, 1), dtype=np.uint8)
+    words = np.concatenate([noise, np.zeros((n, 3), np.uint8)], axis=1)  # LE bytes: plane 3 (LSB) random
+    head_noise = words.copy()
+    head_noise[bytegroup.PROBE_BYTES:, 0] = 0  # plane 3: random at its start, zeros after
+    sizes = []
+    real = bytegroup.zstd_compress
+    monkeypatch.setattr(bytegroup, "zstd_compress", lambda d, *a, **k: sizes.append(len(d)) or real(d, *a, **k))
+    blob = bytegroup.compress(words.tobytes(), 4, float_bits=False, store_raw=(0, 3))
+    assert bytegroup.raw_planes(blob) == (3,) and bytegroup.decompress(blob) == words.tobytes()
+    assert sorted(sizes) == [bytegroup.PROBE_BYTES] * 2 + [n] * 3  # both probed; the random one not whole
+    blob = bytegroup.compress(head_noise.tobytes(), 4, float_bits=False, store_raw=(3,))
+    assert bytegroup.raw_planes(blob) == (3,) and bytegroup.decompress(blob) == head_noise.tobytes()
+    assert bytegroup.raw_planes(bytegroup.compress(head_noise.tobytes(), 4, float_bits=False)) == ()
 
 
 def test_bytegroup_rotation_puts_exponent_in_top_plane():

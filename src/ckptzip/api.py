@@ -20,7 +20,7 @@ import torch
 from .chain import CheckpointChain, Entry, KeyframePolicy, RetentionPolicy
 from .configcheck import OneOf, Range, check_arg, check_args
 from .fitcheck import check_fits
-from .format import CHECKSUMS
+from .format import CHECKSUMS, DEFAULT_CHECKSUM
 from .methods.base import EncodeContext, searches
 
 
@@ -88,8 +88,8 @@ class Compressor:
     Gradient capture for DynaQuant's sensitivity metric installs itself: hooks record a gradient
     EMA only in the ``grad_window`` backward passes before a save (the save interval is learned
     from the first saves, or given as ``save_every``); outside that window they cost nothing.
-    ``checksum``: each blob's checksum in the files written, ``"sha256"`` (default) or ``"crc32"``
-    (faster, against accidental corruption only; format version 2: CheckpointChain says more).
+    ``checksum``: each blob's checksum in the files written, ``"blake3"`` (default), ``"sha256"`` or
+    ``"crc32"`` (against accidental corruption only): CheckpointChain says more.
 
     ``async_save=True`` keeps the config search; ``save`` copies the state and returns. Where the
     search runs:
@@ -111,7 +111,7 @@ class Compressor:
                  keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
                  storage_options: dict | None = None, save_every: int | None = None, grad_window: int = 50,
                  async_save: bool = False, engine_options=None, takeover: bool = False, restores: int = 10,
-                 base=None, checksum: str = "sha256"):
+                 base=None, checksum: str = DEFAULT_CHECKSUM):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         check_args("Compressor", ARGS, threshold=threshold, eval_fn=eval_fn, higher_is_better=higher_is_better,

@@ -35,7 +35,7 @@ from .codec.stages import check_pipeline
 from .configcheck import OneOf, Range, check_args
 from .errors import (ChainBusyError, CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError,
                      StepOrderError, StorageError, WriteConflictError, malformed)
-from .format import CHECKSUMS, container_payload, decode_container, header_sha256, read_manifest
+from .format import CHECKSUMS, DEFAULT_CHECKSUM, container_payload, decode_container, header_sha256, read_manifest
 from .index import INDEX, Entry, Index, checkpoint_file, dumps, file_matches, parse, replay_path
 from .lease import Lease
 from .methods.base import DecodeContext, EncodeContext, Encoded, Method, Reference, get_method, method_for_file
@@ -73,14 +73,14 @@ class CheckpointChain:
     ``takeover=True`` lets this writer fence a live owner of the chain (a stuck or preempted job
     still running) instead of raising ChainBusyError; ``lease_s`` is how long after its last
     commit an owner on another machine counts as live; ``retry`` bounds retries of storage calls;
-    ``checksum`` is each blob's checksum in the files written: ``"sha256"`` (default) or ``"crc32"``
-    (3x faster to compute, against accidental corruption only; docs/FORMAT.md section 1.4).
+    ``checksum`` is each blob's checksum in the files written: ``"blake3"`` (default), ``"sha256"``
+    or ``"crc32"`` (against accidental corruption only; docs/FORMAT.md section 1.4).
     """
 
     def __init__(self, url, method: str | Method = "lossless", config=None, *,
                  keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
                  storage_options: dict | None = None, takeover: bool = False, lease_s: float = 600.0,
-                 retry: RetryPolicy | None = None, base=None, checksum: str = "sha256"):
+                 retry: RetryPolicy | None = None, base=None, checksum: str = DEFAULT_CHECKSUM):
         from .basestate import BaseWeights
         from .storage import Storage
 
@@ -93,7 +93,7 @@ class CheckpointChain:
         self.keyframe = keyframe or KeyframePolicy()
         self.retention = retention or RetentionPolicy()
         self.base = BaseWeights.of(base)  # keyframes coded against it, and restores need it (basestate.py)
-        self.checksum = checksum          # of each blob in the files it writes (format.py; readers take both)
+        self.checksum = checksum          # of each blob in the files it writes (format.py; readers take all)
         self._lease = Lease(self.url, takeover=takeover, lease_s=lease_s)
         self._index: Index | None = None
         self._ref: Reference | None = None          # what the next save encodes against

@@ -138,8 +138,8 @@ def compress(
                   "HF_FOLDER, pretrained-probe:..., pretrained-retrieval:...: other checks)")] = None,
     higher_is_better: Annotated[bool, typer.Option(
         "--higher-is-better", help="eval_fn is a score, not a loss")] = False,
-    checksum: Annotated[str, typer.Option(
-        help="each blob's checksum: sha256, or crc32 (faster, against accidental corruption only)")] = "sha256",
+    checksum: Annotated[Optional[str], typer.Option(
+        help="each blob's checksum: blake3 (default), sha256, or crc32 (against accidental corruption only)")] = None,
     base: Annotated[Optional[pathlib.Path], BASE_OPTION] = None,
 ) -> None:
     """Ingest existing checkpoints, in step order, into a compressed chain."""
@@ -151,7 +151,8 @@ def compress(
         with _progress() as prog:
             prog.add_task("checking sources", total=None)
             job = plan(src, out, method, cfg, keyframe_every=keyframe_every, eval_spec=eval_spec,
-                       threshold=threshold, higher_is_better=higher_is_better, checksum=checksum, base=base)
+                       threshold=threshold, higher_is_better=higher_is_better, base=base,
+                       **({"checksum": checksum} if checksum else {}))  # else the library's default
         with _progress() as prog:
             task = prog.add_task("compressing", total=len(job.sources))
             entries = run(job, on_source=lambda s: prog.update(

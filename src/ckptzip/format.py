@@ -8,12 +8,20 @@ The header is a standard safetensors header: every blob is a ``U8`` tensor of sh
 and ``__metadata__`` holds three strings: ``ckptzip.format`` (the format version), ``ckptzip.manifest``
 (the manifest JSON; above 4 KiB stored as ``zstd+b64:`` + base64 of its zstd frame, since per-record
 metadata reaches ~15 % of a small delta: level 9 where the manifest is over 1/16 of the blobs' bytes,
-else level 1, 8x faster and ~7 % larger, a few hundred bytes of a file of megabytes) and ``ckptzip.sha256`` (SHA-256 of that stored string). The manifest lists a
-SHA-256 per blob (``checksum="crc32"``: a CRC-32 instead, 3x faster to compute, against accidental
-corruption only; such files are format version 2, which older readers refuse by name). We write the bytes ourselves so the header is canonical (sorted keys, compact
-separators): the reader re-derives it and compares, so any flipped byte anywhere is detected --
-including whitespace that JSON would otherwise ignore. Stock safetensors readers open the files.
-Nothing here ever unpickles.
+else level 1, 8x faster and ~7 % larger, a few hundred bytes of a file of megabytes) and
+``ckptzip.sha256`` (SHA-256 of that stored string). We write the bytes ourselves so the header is
+canonical (sorted keys, compact separators): the reader re-derives it and compares, so any flipped
+byte anywhere is detected -- including whitespace that JSON would otherwise ignore. Stock
+safetensors readers open the files. Nothing here ever unpickles.
+
+The manifest lists a checksum per blob, and the format version says which (``CHECKSUMS``; older
+readers refuse a newer version by name):
+
+    version 1  SHA-256
+    version 2  CRC-32 (``checksum="crc32"``): against accidental corruption only
+    version 3  BLAKE3 (the default): a cryptographic hash like SHA-256, 4x faster here (5.9 against
+               1.5 GB/s with SHA-NI on one core), where SHA-256 took 15 % of a lossless save
+
 """
 from __future__ import annotations
 
@@ -24,12 +32,15 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+import blake3
+
 from .codec.frames import zstd_compress, zstd_decompress
 from .errors import CorruptCheckpointError, FormatVersionError
 from .payload import Payload
 
-FORMAT_VERSION = 1                     # the version written (with the default checksum)
-CHECKSUMS = {"sha256": 1, "crc32": 2}  # a blob checksum -> the format version of the files that use it
+CHECKSUMS = {"sha256": 1, "crc32": 2, "blake3": 3}  # a blob checksum -> the format version of the files that use it
+DEFAULT_CHECKSUM = "blake3"
+FORMAT_VERSION = CHECKSUMS[DEFAULT_CHECKSUM]      # the version written by default
 NEWEST_VERSION = max(CHECKSUMS.values())  # the newest version this reader reads
 MAGIC_KEY = "ckptzip.format"
 _MAX_HEADER = 256 * 1024 * 1024  # a header this large is not ours: refuse before allocating
@@ -42,6 +53,7 @@ _SMALL_SHARE = 16                  # zstd-9 for a manifest over 1/16 of the blob
 class Container:
     manifest: dict
     blobs: dict[str, bytes]
+    checksum: str = DEFAULT_CHECKSUM  # the blobs' checksum, as the file's format version says
 
 
 def sha256(data: bytes | memoryview) -> str:
@@ -49,19 +61,22 @@ def sha256(data: bytes | memoryview) -> str:
 
 
 def _digest(kind: str, data: bytes | memoryview) -> str:
+    if kind == "blake3":
+        return blake3.blake3(data).hexdigest()
     return sha256(data) if kind == "sha256" else f"{zlib.crc32(data):08x}"
 
 
-def blob_matches(entry: dict, data: bytes | memoryview) -> bool:
-    """Whether ``data`` is the blob its blob table ``entry`` describes (by its SHA-256 or CRC-32)."""
-    kind = "sha256" if "sha256" in entry else "crc32"
-    return entry.get(kind) == _digest(kind, data)
+def blob_matches(entry: dict, data: bytes | memoryview, checksum: str) -> bool:
+    """Whether ``data`` is the blob its blob table ``entry`` describes by ``checksum`` (the one its
+    file's format version names: a flipped version digit cannot make a reader skip the check)."""
+    return entry.get(checksum) == _digest(checksum, data)
 
 
 def header_sha256(data: bytes | memoryview | Payload) -> str:
     """The container's *digest*: SHA-256 of its length prefix and header. The header holds the
-    manifest, which holds every blob's SHA-256, so the digest pins every byte (a hash tree) with
-    one hash pass over the data, the blobs' own, checked on every load."""
+    manifest, which holds every blob's checksum, so with a cryptographic one (BLAKE3, SHA-256) the
+    digest pins every byte (a hash tree) with one hash pass over the data, the blobs' own, checked
+    on every load."""
     head = data.parts[0] if isinstance(data, Payload) else memoryview(data)
     n = struct.unpack("<Q", bytes(head[:8]))[0] if len(head) >= 8 else 0
     return sha256(memoryview(head)[:8 + n])
@@ -82,7 +97,7 @@ def _header_bytes(manifest_str: str, sizes: list[tuple[str, int]], version: int 
     return raw + b" " * (-len(raw) % 8)  # safetensors pads the header with spaces to 8 bytes
 
 
-def container_payload(manifest: dict, blobs: dict[str, bytes], *, checksum: str = "sha256") -> Payload:
+def container_payload(manifest: dict, blobs: dict[str, bytes], *, checksum: str = DEFAULT_CHECKSUM) -> Payload:
     """A manifest and its blobs as the container's parts (header, then blobs by key); blob
     checksums (``checksum``: a name in CHECKSUMS) are added to the manifest here. ``bytes()`` of it
     is :func:`encode_container`."""
@@ -92,7 +107,8 @@ def container_payload(manifest: dict, blobs: dict[str, bytes], *, checksum: str 
     manifest["blobs"] = {k: {"nbytes": len(blobs[k]), checksum: _digest(checksum, blobs[k])} for k in keys}
     # the manifest keeps insertion order (no sort_keys): the skeleton's dict order is the state's key
     # order (state_dict order, which param-link inference relies on); the reader uses the string verbatim
-    mstr = json.dumps(manifest, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    # no circular check: the manifest is a tree we built (the check is a fifth of the dump's time)
+    mstr = json.dumps(manifest, separators=(",", ":"), ensure_ascii=True, allow_nan=False, check_circular=False)
     if len(mstr) > _PACK_ABOVE:
         level = 9 if len(mstr) * _SMALL_SHARE > sum(len(b) for b in blobs.values()) else 1
         mstr = _PACKED + base64.b64encode(zstd_compress(mstr.encode(), level)).decode()
@@ -100,7 +116,7 @@ def container_payload(manifest: dict, blobs: dict[str, bytes], *, checksum: str 
     return Payload([struct.pack("<Q", len(header)) + header, *(blobs[k] for k in keys)])
 
 
-def encode_container(manifest: dict, blobs: dict[str, bytes], *, checksum: str = "sha256") -> bytes:
+def encode_container(manifest: dict, blobs: dict[str, bytes], *, checksum: str = DEFAULT_CHECKSUM) -> bytes:
     """Serialize a manifest and its blobs into one buffer (the joined :func:`container_payload`)."""
     return bytes(container_payload(manifest, blobs, checksum=checksum))
 
@@ -135,6 +151,7 @@ def decode_container(data: bytes | memoryview, *, name: str = "checkpoint", veri
     if version > NEWEST_VERSION:
         raise FormatVersionError(f"{name}: written by format version {version}, this ckptzip reads up to "
                                  f"{NEWEST_VERSION}; upgrade ckptzip")
+    checksum = next(k for k, v in CHECKSUMS.items() if v == version)
     mstr = meta.get("ckptzip.manifest")
     if not isinstance(mstr, str) or meta.get("ckptzip.sha256") != sha256(mstr.encode()):
         raise bad("manifest checksum mismatch")
@@ -160,10 +177,10 @@ def decode_container(data: bytes | memoryview, *, name: str = "checkpoint", veri
     for k, s in sizes:
         chunk = body[off:off + s]
         off += s
-        if verify_blobs and not blob_matches(bl[k], chunk):
+        if verify_blobs and not blob_matches(bl[k], chunk, checksum):
             raise bad(f"blob {k!r} fails its checksum (record data is corrupt)")
         blobs[k] = bytes(chunk)
-    return Container(manifest, blobs)
+    return Container(manifest, blobs, checksum)
 
 
 def unpack_manifest(stored: str):

@@ -98,7 +98,7 @@ def _damaged_records(data: bytes, step: int, where: str) -> list[Problem]:
             grouped.setdefault(g[0], []).append(n)
     out = []
     for k, blob in c.blobs.items():
-        if not blob_matches(c.manifest["blobs"][k], blob):
+        if not blob_matches(c.manifest["blobs"][k], blob, c.checksum):
             names = [owner[k]] if k in owner else grouped.get(k, [])
             what = f"shared blob {k!r}" if not names else f"record {names[0]!r}" + (
                 f" and {len(names) - 1} more record(s) in group blob {k!r}" if len(names) > 1 else "")

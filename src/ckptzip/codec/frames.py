@@ -9,7 +9,10 @@ zstd frame   one standard zstd frame (RFC 8878) with its content size in the fra
              size, never the layout. ``plane=True`` (byte planes of numbers, codec/bytegroup.py)
              narrows the level's match finder to matches of 7+ bytes in 64-entry tables: on such
              planes the entropy coder does the work and a wide match search costs time for nothing
-             (exponent planes: ~2x faster than level 3 and ~8 % smaller). Same frame format.
+             (exponent planes: ~2x faster than level 3 and ~8 % smaller). Levels 1-4 search with
+             the single-table ``fast`` strategy there (their own is ``dfast`` from 2 up): on a small
+             GPT chain's planes it found the same bytes to the kilobyte in 14-21 % less time;
+             higher levels keep their own. Same frame format.
 xz stream    one standard .xz stream: LZMA2 at preset 9 | EXTREME (the paper's 7-Zip "ultra" is
              LZMA2 too), CRC64 check, the dictionary shrunk to the input
              (``min(64 MiB, max(4 KiB, next power of two >= len))``: a larger one finds nothing
@@ -38,6 +41,7 @@ _local = threading.local()  # zstd contexts are not thread-safe: one set per thr
 
 
 _PLANE_MATCH = {"min_match": 7, "hash_log": 6, "chain_log": 6}  # see the module docstring
+_PLANE_FAST_UP_TO = 4  # plane frames of levels up to this use strategy fast (module docstring)
 
 
 def _compressor(level: int, plane: bool = False) -> zstandard.ZstdCompressor:
@@ -46,9 +50,9 @@ def _compressor(level: int, plane: bool = False) -> zstandard.ZstdCompressor:
         cache = _local.cctx = {}
     key = (level, plane)
     if key not in cache:
-        cache[key] = zstandard.ZstdCompressor(
-            compression_params=zstandard.ZstdCompressionParameters.from_level(level, **_PLANE_MATCH)) if plane \
-            else zstandard.ZstdCompressor(level=level)
+        fast = {"strategy": zstandard.STRATEGY_FAST} if level <= _PLANE_FAST_UP_TO else {}
+        cache[key] = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters.from_level(
+            level, **_PLANE_MATCH, **fast)) if plane else zstandard.ZstdCompressor(level=level)
     return cache[key]
 
 

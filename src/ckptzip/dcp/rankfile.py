@@ -1,6 +1,6 @@
 """One rank's file: the method's encoding of its shards, in the chain's container format.
 
-The container (format.py: safetensors header, SHA-256 per blob and of the manifest) holds the
+The container (format.py: safetensors header, a checksum per blob, SHA-256 of the manifest) holds the
 method's blobs plus DCP's bytes items, and a manifest that says everything a reader needs without
 the writer's config::
 
@@ -13,7 +13,7 @@ the writer's config::
      "chunk_sha256": {name: SHA-256 of the exact input bytes} (opt-in), "raw_bytes": int}
 
 A file's *digest* (what the metadata table and a child name) is the SHA-256 of its header: the
-header holds the manifest, which holds every blob's SHA-256, and every load checks the blobs, so
+header holds the manifest, which holds every blob's checksum, and every load checks the blobs, so
 the digest pins every byte without a second hash pass over the data at save time.
 
 Decode recipe (``replay``): follow ``parent_step`` links from the requested file back to a

@@ -48,6 +48,7 @@ import traceback
 class _Agent:
     def __init__(self, spec: dict, out):
         from ..chain import CheckpointChain, KeyframePolicy, RetentionPolicy
+        from ..format import DEFAULT_CHECKSUM
         from ..methods.base import get_method
         from . import staging
 
@@ -66,7 +67,7 @@ class _Agent:
                                      retention=RetentionPolicy(**spec["retention"]) if spec.get("retention") else None,
                                      storage_options=spec.get("storage_options"),
                                      takeover=bool(spec.get("takeover")),
-                                     checksum=spec.get("checksum", "sha256"), base=self._base(spec.get("base")))
+                                     checksum=spec.get("checksum", DEFAULT_CHECKSUM), base=self._base(spec.get("base")))
         self.evaluator = None  # (model, eval_fn) from options.agent_eval, built once ready (serve)
         self.segments: dict[int, object] = {}
         self.trainer_gone = False

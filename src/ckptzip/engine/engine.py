@@ -93,6 +93,7 @@ import torch
 
 from ..chain import CheckpointChain, KeyframePolicy, RetentionPolicy
 from ..errors import ConfigError, StepNotFoundError, StepOrderError
+from ..format import DEFAULT_CHECKSUM
 from ..methods.base import EncodeContext, Method, searches
 from ..state import FlatState, flatten_state, unflatten_state
 from . import staging
@@ -117,7 +118,7 @@ class AsyncCheckpointEngine:
 
     def __init__(self, url, method: str | Method = "lossless", config=None, *, options: EngineOptions | None = None,
                  keyframe: KeyframePolicy | None = None, retention: RetentionPolicy | None = None,
-                 storage_options: dict | None = None, takeover: bool = False, checksum: str = "sha256",
+                 storage_options: dict | None = None, takeover: bool = False, checksum: str = DEFAULT_CHECKSUM,
                  base=None):
         options = options if options is not None else EngineOptions()
         if not isinstance(options, EngineOptions):

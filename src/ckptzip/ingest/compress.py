@@ -28,7 +28,7 @@ import torch
 from ..basestate import BaseWeights
 from ..chain import INDEX, CheckpointChain, Entry, KeyframePolicy
 from ..errors import ConfigError, IncompleteCheckpointError
-from ..format import CHECKSUMS
+from ..format import CHECKSUMS, DEFAULT_CHECKSUM
 from ..methods.base import EncodeContext, Method, get_method
 from .sources import Source, find_sources, load_source
 
@@ -43,13 +43,13 @@ class CompressJob:
     eval_fn: Callable | None = None
     threshold: float | None = None         # None: the method's default budget
     higher_is_better: bool = False
-    checksum: str = "sha256"               # each blob's checksum in the files written (format.CHECKSUMS)
+    checksum: str = DEFAULT_CHECKSUM       # each blob's checksum in the files written (format.CHECKSUMS)
     base: BaseWeights | None = None        # --base: keyframes coded as residuals against these weights
 
 
 def plan(paths: Sequence[str | os.PathLike], out: str, method: str = "lossless", config: dict | None = None, *,
          keyframe_every: int = 10, eval_spec: str | None = None, threshold: float | None = None,
-         higher_is_better: bool = False, checksum: str = "sha256",
+         higher_is_better: bool = False, checksum: str = DEFAULT_CHECKSUM,
          base: str | os.PathLike | None = None) -> CompressJob:
     """Validate the whole job; raises a one-line error naming the thing and the fix, writes nothing."""
     m = get_method(method, config)

@@ -1,7 +1,7 @@
 """Small records' words in shared group blobs (stage ``group/1``).
 
 A record of a few hundred bytes (a bias, a norm, a step scalar) costs more as its own blob than
-its bytes: four zstd frames, a SHA-256 and a header entry each. Instead the words of every small
+its bytes: four zstd frames, a checksum and a header entry each. Instead the words of every small
 record of one width and kind (float or not) are concatenated, in record order, into one
 byte-grouped blob ``group.<width><f|i>``, and each record names its words as
 ``meta.group = [blob key, offset, count]`` (offset and count in words). Words may be XORed with a

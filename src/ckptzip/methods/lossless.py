@@ -12,7 +12,8 @@ same way).
 
 The writer's reference (what ``encode`` returns) keeps each group blob's words, so the next delta
 XORs a group of the same records in one pass, and which planes of each delta blob zstd could not
-shrink: the next delta stores those raw without trying (every other time: ``_skip_next``). When
+shrink: the next delta stores those raw unless zstd shrinks a probe of their first bytes
+(``bytegroup.compress``'s ``store_raw``). When
 the caller spends the reference (``EncodeContext.reference_spent``: CheckpointChain.save), the
 large records' copies in it are overwritten with the new bits instead of copying the state again.
 
@@ -107,7 +108,8 @@ class _EncoderTensors(Mapping):
 class LosslessReference(Reference):
     """The previous checkpoint's exact tensors (CPU), XOR-ed against by the next delta. An encoder's
     reference also keeps its group blobs' words (``groups``) and which planes of each delta blob
-    were stored raw (``raw_planes``, by record or group key: the next delta stores those raw untried)."""
+    were stored raw (``raw_planes``, by record or group key: the next delta stores those raw unless a
+    probe of their first bytes shrinks; a keyframe's planes predict nothing of a delta's)."""
 
     exact: Mapping[str, torch.Tensor]
     groups: Mapping[str, GroupWords] = field(default_factory=dict)
@@ -136,12 +138,6 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _skip_next(blob: bytes, skipped: tuple[int, ...]) -> tuple[int, ...]:
-    """The planes the next delta of this blob stores raw untried: those zstd was tried on here and
-    could not shrink (the low mantissa bytes of an XOR delta are near-random). A plane skipped here
-    is tried again next time: skipping it for good lost 0.4 % of the ratio on the GPT chain of
-    bench/speed.py, trying every other time 0.1 %. A keyframe's planes predict nothing of a delta's."""
-    return tuple(i for i in bytegroup.raw_planes(blob) if i not in skipped)
 
 
 _PLAIN = [S.LOSSLESS.descriptor]
@@ -199,7 +195,7 @@ class LosslessMethod(Method):
                                 tuple((t.dtype, t.shape) for _, t, _ in items)) for key, items in members.items()}
         coded = dict(zip((n for n, _, _ in large), thread_map(one, large)))
         xored = {n for items in members.values() for n, _, x in items if x} | {n for n, _, x in large if x}
-        raw_planes = {} if prev is None else {k: _skip_next(enc.blobs[k], praw.get(k, ())) for k in kept}
+        raw_planes = {} if prev is None else {k: bytegroup.raw_planes(enc.blobs[k]) for k in kept}
         own = {}
         for name in state.records:  # records in the state's order
             head = _XOR if name in xored else _PLAIN
@@ -208,7 +204,7 @@ class LosslessMethod(Method):
             else:
                 data, own[name] = coded[name]
                 if name in xored:
-                    raw_planes[name] = _skip_next(data, praw.get(name, ()))
+                    raw_planes[name] = bytegroup.raw_planes(data)
                 enc.add(name, head + _OWN, {}, data=data)
         return enc, LosslessReference(ctx.step, _EncoderTensors(list(state.records), own, kept), kept, raw_planes)
 
