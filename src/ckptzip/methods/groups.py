@@ -32,7 +32,13 @@ GROUP_BELOW = 16384  # tensor bytes under which a record's words go to a group b
 
 
 def group_key(t: torch.Tensor) -> str:
-    return f"group.{t.element_size()}{'f' if t.is_floating_point() else 'i'}"
+    key = _KEYS.get(t.dtype)
+    if key is None:  # once per dtype: a save asks for every small record's
+        key = _KEYS[t.dtype] = f"group.{t.element_size()}{'f' if t.is_floating_point() else 'i'}"
+    return key
+
+
+_KEYS: dict[torch.dtype, str] = {}
 
 
 def _words(ts: list[torch.Tensor]) -> np.ndarray:
@@ -78,8 +84,8 @@ class GroupWriter:
               raw_planes: dict[str, tuple[int, ...]] | None = None) -> dict[str, np.ndarray]:
         """The group blobs into ``enc.blobs``; returns each group's words (unsigned ints, a copy).
         ``prev``: per group, the words to XOR it with whole (instead of its records' parents: a
-        group of the same records as last save's); ``raw_planes``: per group, planes to store raw
-        untried (bytegroup.compress)."""
+        group of the same records as last save's); ``raw_planes``: per group, the planes
+        predicted raw (bytegroup.compress's ``store_raw``)."""
         out = {}
         for key, g in self._groups.items():
             width, is_float = int(key[len("group."):-1]), key.endswith("f")
