@@ -8,7 +8,7 @@ call runs on the measuring thread; the thread pool stays inline), repetitions in
 and zstd so a change in machine load hits both; medians with [min, max] over repetitions.
 
   save     = ``CheckpointChain.save`` into fsspec's in-memory filesystem: flatten, the method's encode,
-             container (manifest, SHA-256), index commit; no disk. A chain of the workload's
+             container (manifest, blob checksums), index commit; no disk. A chain of the workload's
              checkpoints, keyframe first, the rest deltas (the default keyframe policy).
   restore  = ``CheckpointChain.load`` of the last step (replays every file from the keyframe),
              against zstd decompressing as many checkpoints.
@@ -28,6 +28,8 @@ Workloads (states built by this file with torch + transformers only, so v0.1 see
 Also:
   memory  peak extra memory of one dynaquant / lossless save of the gpt2 state, in a fresh
           process (VmHWM reset before the save, minus VmRSS at its start) / the state's bytes.
+  checksums  lossless saves of the small chain with each blob checksum (format.CHECKSUMS), side by
+          side in one process, each rep interleaved with zstd-3 over the same bytes.
   search  dynaquant with the config search on the small chain (the workload's validation loss,
           --threshold): search seconds beyond the eval_fn calls vs the fixed-config save, and the
           evaluations per steady-state checkpoint.
@@ -270,7 +272,7 @@ def table(title: str, res: dict, old: dict | None, n_ckpt: int) -> None:
     print(f"\n### {title}\n")
     print(md_table(head, rows))
     print("\nencode = flatten + method.encode; save = CheckpointChain.save to memory:// (adds the container, "
-          "its SHA-256 per blob, the index); decode / restore likewise. ratio: raw bytes / stored bytes.")
+          "its checksum per blob, the index); decode / restore likewise. ratio: raw bytes / stored bytes.")
 
 
 MEMORY_CHILD = r"""
@@ -314,6 +316,39 @@ def memory(args) -> None:
         rows.append([method, f"{nbytes / 1e6:.0f}", f"{(peak - base) / nbytes:.2f}x", f"{el:.1f}"])
     print("\n### Peak extra memory of one save, GPT-2 124M state (fresh process)\n")
     print(md_table(["method", "state MB", "extra peak / state", "wall s"], rows))
+
+
+def checksums(args, states: list[dict]) -> None:
+    """Lossless saves of the small chain with each blob checksum, against zstd-3, in one process."""
+    import fsspec
+    import zstandard
+    from compare import md_table
+
+    from ckptzip.chain import CheckpointChain
+    from ckptzip.format import CHECKSUMS, DEFAULT_CHECKSUM
+
+    raws = [raw_bytes(s) for s in states]
+    cz = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    times = {k: [] for k in CHECKSUMS}
+    for rep in range(args.reps + 1):  # rep 0 warms up
+        for kind in CHECKSUMS:
+            z = time.thread_time()
+            for raw in raws:
+                cz.compress(raw)
+            z = time.thread_time() - z
+            url = f"memory://checksum-{kind}-{rep}-{os.getpid()}"
+            ch = CheckpointChain(url, "lossless", checksum=kind)
+            t = time.thread_time()
+            for i, s in enumerate(states):
+                ch.save(s, i + 1)
+            t = time.thread_time() - t
+            fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+            if rep:
+                times[kind].append(t / z)
+    rows = [[k + (" (default)" if k == DEFAULT_CHECKSUM else ""), str(CHECKSUMS[k]),
+             fmt((statistics.median(v), min(v), max(v)))] for k, v in times.items()]
+    print(f"\n### Lossless save of the small chain by blob checksum ({args.reps} reps)\n")
+    print(md_table(["checksum", "format version", "save x zstd-3"], rows))
 
 
 def search(args, states: list[dict]) -> None:
@@ -371,7 +406,7 @@ def search(args, states: list[dict]) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="small,search,v01", help="small,gpt2,memory,search,v01")
+    p.add_argument("--only", default="small,search,v01", help="small,gpt2,memory,checksums,search,v01")
     p.add_argument("--methods", default="dynaquant,lossless")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=5)
@@ -399,6 +434,8 @@ def main(argv=None) -> None:
         table(title, res, old, n)
     if "memory" in only:
         memory(args)
+    if "checksums" in only:
+        checksums(args, small_states(args.small_n, args.small_every))
     if "search" in only:
         search(args, small_states(args.small_n, args.small_every))
 

@@ -57,9 +57,27 @@ def _dtypes(name: str) -> tuple[torch.dtype, np.dtype]:
                                      f"ckptzip); this reader knows {sorted(DTYPES)}") from None
 
 
+def host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, on the CPU and contiguous (no call where it already is: a save visits every record)."""
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_cpu:
+        t = t.cpu()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two flat arrays hold the same bytes (NaN payloads and -0.0 included)."""
+    if a.nbytes != b.nbytes:
+        return False
+    if a.nbytes < 1 << 16:  # small: bytes compare in ~0.1 us, np.array_equal's setup costs ~3 us
+        return a.tobytes() == b.tobytes()
+    return bool(np.array_equal(a.view(np.uint8), b.view(np.uint8)))
+
+
 def to_numpy_bits(t: torch.Tensor) -> np.ndarray:
     """Flat numpy array of a tensor's exact bits (bf16 carried as uint16). Moves to CPU if needed."""
-    t = t.detach().contiguous().cpu().reshape(-1)
+    t = host(t).view(-1)
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy()

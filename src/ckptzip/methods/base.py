@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from collections.abc import Iterator
 from typing import Callable, ClassVar
 
-import numpy as np
 import torch
 
 from ..codec import bytegroup
@@ -36,7 +35,7 @@ from ..codec import stages as S
 from ..configcheck import check_tree, check_value
 from ..errors import ConfigError, CorruptCheckpointError, UnknownMethodError
 from ..state import FlatState, TensorRecord
-from ..tensorbytes import dtype_name, tensor_from_bytes, tensor_to_bytes, to_numpy_bits
+from ..tensorbytes import dtype_name, host, same_bits, tensor_from_bytes, to_numpy_bits
 from . import groups as groups_mod
 
 
@@ -281,6 +280,8 @@ def available_methods() -> list[str]:
 
 EXACT_PIPELINE = S.pipeline(S.EXACT, S.BYTEGROUP)
 EXACT_GROUPED = S.pipeline(S.EXACT, S.GROUP, S.BYTEGROUP)  # no blob: meta.group (methods/groups.py)
+EXACT_SAME = S.pipeline(S.EXACT, S.SAME)                    # no blob: the parent's record
+EXACT_RAW = S.pipeline(S.EXACT, S.RAW)
 _RAW_BELOW_BYTES = 256  # byte-group headers and zstd frames cost more than they save on tiny tensors
 
 
@@ -290,18 +291,19 @@ def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3, pa
     decoded record (RNG states and frozen tensors repeat from save to save). ``groups``: a tensor
     under ``GROUP_BELOW`` bytes joins its group blob (stage ``group/1``, methods/groups.py; the
     caller flushes ``groups`` into ``enc`` after its last record)."""
-    raw = tensor_to_bytes(t)
+    t = host(t)
+    bits = to_numpy_bits(t)  # a view
     if parent is not None and parent.dtype == t.dtype and parent.shape == t.shape and \
-            np.array_equal(to_numpy_bits(parent).view(np.uint8), np.frombuffer(raw, np.uint8)):  # no copy of parent
-        enc.add(name, S.pipeline(S.EXACT, S.SAME), {})
+            same_bits(bits, to_numpy_bits(parent)):
+        enc.add(name, EXACT_SAME, {})
         return
-    if groups is not None and len(raw) < groups_mod.GROUP_BELOW:
-        enc.add(name, EXACT_GROUPED, groups.add(t.detach().cpu().contiguous()))
+    if groups is not None and bits.nbytes < groups_mod.GROUP_BELOW:
+        enc.add(name, EXACT_GROUPED, groups.add(t))
         return
-    if len(raw) < _RAW_BELOW_BYTES:
-        enc.add(name, S.pipeline(S.EXACT, S.RAW), {}, data=raw)
+    if bits.nbytes < _RAW_BELOW_BYTES:
+        enc.add(name, EXACT_RAW, {}, data=bits.tobytes())
         return
-    enc.add(name, EXACT_PIPELINE, {}, data=bytegroup.compress(raw, t.element_size(),
+    enc.add(name, EXACT_PIPELINE, {}, data=bytegroup.compress(bits, t.element_size(),
                                                               float_bits=t.is_floating_point(), level=level))
 
 

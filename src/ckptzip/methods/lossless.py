@@ -36,7 +36,7 @@ from ..configcheck import check_fields
 from ..errors import CorruptCheckpointError
 from ..parallel import thread_map
 from ..state import FlatState, TensorRecord
-from ..tensorbytes import BITS_DTYPE, tensor_from_bytes, to_numpy_bits
+from ..tensorbytes import BITS_DTYPE, host, tensor_from_bytes, to_numpy_bits
 from .base import DecodeContext, EncodeContext, Encoded, Method, Reference, register
 from .groups import GROUP_BELOW, GroupWriter, group_key, group_words
 
@@ -129,15 +129,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().view(BITS_DTYPE[t.element_size()])
 
 
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """``t`` detached, on the CPU and contiguous (no call where it already is: a save visits every record)."""
-    if t.requires_grad:
-        t = t.detach()
-    if not t.is_cpu:
-        t = t.cpu()
-    return t if t.is_contiguous() else t.contiguous()
-
-
 
 
 _PLAIN = [S.LOSSLESS.descriptor]
@@ -174,7 +165,7 @@ class LosslessMethod(Method):
 
         large, members = [], {}  # members: group key -> [(name, tensor, xor)] in record order
         for name in state.records:  # one pass: each record's parent (same dtype and shape), its blob or group
-            t = _host(state.tensors[name])
+            t = host(state.tensors[name])
             ps = prev.spec(name) if prev is not None else None
             xor = ps is not None and ps[0] == t.dtype and ps[1] == t.shape and t.numel() > 0
             if t.numel() * t.element_size() < self.group_below:
