@@ -21,7 +21,6 @@ readers refuse a newer version by name):
     version 2  CRC-32 (``checksum="crc32"``): against accidental corruption only
     version 3  BLAKE3 (the default): a cryptographic hash like SHA-256, 4x faster here (5.9 against
                1.5 GB/s with SHA-NI on one core), where SHA-256 took 15 % of a lossless save
-
 """
 from __future__ import annotations
 

@@ -114,10 +114,9 @@ _PROBE_GAIN = 0.99     # ... to under this share (a near-random plane's frame is
 
 def _probe(plane: memoryview, level: int, plane_params: bool) -> bytes | memoryview:
     """A plane predicted not to shrink: zstd of it, or the plane itself (stored raw) when its first
-    PROBE_BYTES do not shrink. The prediction used to skip zstd every other save and retry it in
-    between, where a plane came out raw again at 1.4 GB/s; the probe costs 1/8-1/64 of that on a
-    plane of 128 KiB-1 MiB and checks every save, so a plane that becomes compressible is caught
-    at once."""
+    PROBE_BYTES do not shrink. The prediction used to skip zstd every other save and retry the
+    whole plane in between (where it came out raw again, at 1.4 GB/s); the probe reads 4 KiB of it
+    and runs every save, so a plane that becomes compressible is caught at once."""
     if plane.nbytes > PROBE_BYTES:
         head = zstd_compress(plane[:PROBE_BYTES], level, plane=plane_params)
         if len(head) >= PROBE_BYTES * _PROBE_GAIN:

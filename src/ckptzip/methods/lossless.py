@@ -13,9 +13,9 @@ same way).
 The writer's reference (what ``encode`` returns) keeps each group blob's words, so the next delta
 XORs a group of the same records in one pass, and which planes of each delta blob zstd could not
 shrink: the next delta stores those raw unless zstd shrinks a probe of their first bytes
-(``bytegroup.compress``'s ``store_raw``). When
-the caller spends the reference (``EncodeContext.reference_spent``: CheckpointChain.save), the
-large records' copies in it are overwritten with the new bits instead of copying the state again.
+(``bytegroup.compress``'s ``store_raw``). When the caller spends the reference
+(``EncodeContext.reference_spent``: CheckpointChain.save), the large records' copies in it are
+overwritten with the new bits instead of copying the state again.
 
 Decode recipe: per record, its words from its own blob or its group's (each group blob
 decompressed once per file), viewed as the record's dtype and shape, XORed with the parent's
@@ -126,9 +126,7 @@ class LosslessReference(Reference):
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().view(BITS_DTYPE[t.element_size()])
-
-
+    return host(t).view(BITS_DTYPE[t.element_size()])
 
 
 _PLAIN = [S.LOSSLESS.descriptor]
