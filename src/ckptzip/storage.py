@@ -44,14 +44,21 @@ import os
 import threading
 import uuid
 
+import blake3
 import fsspec
 
 from .errors import WriteConflictError
-from .format import sha256
 from .payload import Payload, as_bytes
 from .retry import CONFLICT_CODES, RetryPolicy, call, service_error
 
 _S3_MAX_PUT = 5 * 2**30  # one PUT carries at most 5 GiB: larger objects go multipart, not conditional
+
+
+def _version(data: bytes) -> str:
+    """A version token of an object whose store has none (local, memory: write_if compares the
+    content): its BLAKE3, 4x faster than SHA-256 here, and the index is read and rewritten whole
+    on every save."""
+    return blake3.blake3(data).hexdigest()
 
 
 class Storage:
@@ -167,7 +174,7 @@ class _FsspecBackend:
             data = self.read(path)
         except (FileNotFoundError, NotADirectoryError):  # no such object (or no such folder)
             return None, None
-        return data, sha256(data)
+        return data, _version(data)
 
     def list(self, root: str) -> list[str]:
         self.fs.invalidate_cache(root)
@@ -190,7 +197,7 @@ class _FsspecBackend:
             if self.read_versioned(path)[1] != version:
                 raise WriteConflictError(f"{path} changed since it was read")
             self.write(path, data)
-        return sha256(data)
+        return _version(data)
 
     def delete(self, path: str) -> None:
         try:
@@ -238,7 +245,7 @@ class _LocalBackend(_FsspecBackend):
             self.write(path, data)
         finally:
             os.close(fd)  # drops the lock
-        return sha256(data)
+        return _version(data)
 
     @staticmethod
     def _temp(path: str, data: bytes | Payload) -> str:
