@@ -29,6 +29,25 @@ def test_grid_bounds_the_denominator(adam_pair, step, factored):
     assert torch.equal(M.decode_grid(q), M.grid_codes(v, hp, step, m))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_float64_decode_equals_one_pass(adam_pair, monkeypatch, dtype):
+    """D and v are computed chunk by chunk through one float64 buffer on the CPU: bit for bit what
+    the one-pass float64 maps give, over chunk edges (a chunk of 7 elements) and narrow codes."""
+    m, v, hp = adam_pair
+    q = M.quantize_v(v, hp, step=0.5, m=m)
+    c = M.decode_grid(q)
+    step = float(q.meta["step"])
+    want_D = c.to(torch.float64).mul(step).exp2().mul(hp.eps).to(torch.float32)
+    want_v = want_D.to(torch.float64).sub(hp.eps).clamp_min(0).square().mul(hp.bc2).to(dtype).reshape(v.shape)
+    monkeypatch.setattr(M, "_F64_CHUNK", 7)
+    for codes in (c, c.to(torch.uint8) if int(c.max()) < 256 else c.to(torch.int16)):
+        D = M.decode_denominator(q, hp, codes)
+        assert D.dtype == torch.float32 and torch.equal(D, want_D)
+        got = M.v_from_denominator(D, hp, v.shape, dtype)
+        assert got.dtype == dtype and got.shape == v.shape and torch.equal(got, want_v)
+    assert M.decode_denominator(q, hp, c[:0]).numel() == 0
+
+
 def test_grid_is_stable_and_never_zero_where_m_is_not(adam_pair):
     m, v, hp = adam_pair
     v = v.clone()
