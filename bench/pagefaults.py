@@ -6,6 +6,9 @@ Two GPT-2 124M checkpoints (bench/speed.py's ``gpt2_states``), trained once and 
 that builds compare over the same bytes, one process per build (PYTHONPATH picks the build):
 
     PYTHONPATH=src .venv/bin/python bench/pagefaults.py dynaquant [--states /tmp/gpt2_states.pt]
+
+``--keyframe``: also a keyframe after a delta (as a chain's periodic one), its reference copied
+fresh and into the spent reference's buffers (``EncodeContext.recycle``; lossless uses it).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("method", nargs="?", default="dynaquant")
     p.add_argument("--states", default="/tmp/gpt2_states.pt")
+    p.add_argument("--keyframe", action="store_true", help="also time a keyframe after a delta, fresh vs recycled")
     args = p.parse_args()
     torch.set_num_threads(1)
     if not os.path.exists(args.states):
@@ -64,6 +68,29 @@ def main() -> None:
         gc.collect()
     print(f"{args.method}: encode CPU {e[0]:.2f} s (sys {e[1]:.2f}, faults {e[2]}), decode CPU {d[0]:.2f} s "
           f"(sys {d[1]:.2f}, faults {d[2]}); zstd-3 CPU {z[0]:.2f} s (sys {z[1]:.2f}); encode x zstd-3 {e[0] / z[0]:.2f}")
+    if args.keyframe:
+        keyframes(args.method, states)
+
+
+def keyframes(method: str, states: list[dict]) -> None:
+    """A keyframe of the first state after a chain of every state (each save spends its reference,
+    as CheckpointChain's do): its reference copied fresh, then into the spent reference's buffers."""
+    from ckptzip.methods.base import EncodeContext, get_method
+    from ckptzip.state import flatten_state
+
+    m = get_method(method)
+    flats = [flatten_state(s) for s in states]
+    ref = None
+    for i, f in enumerate(flats):
+        _, ref = m.encode(f, ref, ctx=EncodeContext(step=i + 1, reference_spent=True))
+    gc.collect()
+    for label, recycle in (("fresh copies", None), ("into the spent reference", ref)):
+        a = usage()
+        _, new = m.encode(flats[0], None, ctx=EncodeContext(step=len(flats) + 1, reference_spent=True, recycle=recycle))
+        r = [y - x for x, y in zip(a, usage())]
+        print(f"{method} keyframe after a delta, {label}: CPU {r[0]:.2f} s (sys {r[1]:.2f}, faults {r[2]})")
+        del new
+        gc.collect()
 
 
 if __name__ == "__main__":

@@ -243,6 +243,32 @@ def test_small_records_of_one_width_and_mixed_dtypes_round_trip():
             assert all(bits_equal(out[k], v) for k, v in s["model"].items()), (method, i)
 
 
+def test_keyframe_writes_its_reference_into_the_spent_one(digits_snapshots):
+    """A chain's keyframe after deltas copies the state into its spent predecessor reference's
+    buffers (``EncodeContext.recycle``) where dtype and shape match, a fresh copy where not; every
+    step restores exactly, and the deltas after it are taken against the keyframe's bits."""
+    from ckptzip.chain import CheckpointChain, KeyframePolicy
+
+    _, _, snaps, _ = digits_snapshots
+    states = [{"model": dict(s.model), "optimizer": s.optimizer} for s in snaps[:5]]
+    grown = next(k for k, v in states[0]["model"].items() if v.numel() * v.element_size() >= 16384)
+    states[2]["model"][grown] = torch.cat([states[2]["model"][grown]] * 2)  # the keyframe's shape differs
+    states[3]["model"][grown] = states[2]["model"][grown] + 1
+    url = "memory://recycle-keyframe"
+    ch = CheckpointChain(url, "lossless", keyframe=KeyframePolicy(every=2))
+    held = {}
+    for i, s in enumerate(states):
+        ch.save(s, i + 1)
+        own = ch._ref.exact._own
+        if i == 2:  # the second keyframe: the same buffers as the delta before it, but the grown one
+            same = {n for n, t in own.items() if n in held and t.data_ptr() == held[n]}
+            assert ch.entries()[-1].keyframe and same == set(held) - {f"model/{grown}"} and same
+        held = {n: t.data_ptr() for n, t in own.items()}
+    for i, s in enumerate(states):
+        out = CheckpointChain(url).load(i + 1)
+        assert all(bits_equal(out["model"][k], v) for k, v in s["model"].items()), i
+
+
 def test_writer_reference_gives_the_delta_a_decoded_reference_gives(digits_snapshots):
     """A writer XORs each group blob with its parent group's words whole; a reference decoded from
     the files (a restart) XORs record by record: the same blobs. The planes of a delta that did not

@@ -181,7 +181,7 @@ class CheckpointChain:
             try:
                 ref = self._writer_reference(entries)
                 if ctx.force_keyframe or self._keyframe_due(entries, ref):
-                    ref = None
+                    ctx, ref = dataclasses.replace(ctx, recycle=ref), None  # its buffers may take the new copies
                 t0 = time.perf_counter()
                 enc, new_ref = self.method.encode(flat, ref, ctx=ctx)
                 missing = set(flat.records) - set(enc.records)

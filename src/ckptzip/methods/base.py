@@ -98,6 +98,8 @@ class EncodeContext:
     base: object | None = None                    # basestate.BaseWeights: keyframes as residuals against it
     reference_spent: bool = False                 # the caller drops the reference after this call: a method
                                                   # may write the next one into its buffers (CheckpointChain)
+    recycle: Reference | None = None              # a keyframe's spent predecessor (with reference_spent): a
+                                                  # method may write the new reference into its buffers
 
 
 @dataclass(kw_only=True)

@@ -15,7 +15,8 @@ XORs a group of the same records in one pass, and which planes of each delta blo
 shrink: the next delta stores those raw unless zstd shrinks a probe of their first bytes
 (``bytegroup.compress``'s ``store_raw``). When the caller spends the reference
 (``EncodeContext.reference_spent``: CheckpointChain.save), the large records' copies in it are
-overwritten with the new bits instead of copying the state again.
+overwritten with the new bits instead of copying the state again; a keyframe writes its copies
+into its spent predecessor's (``EncodeContext.recycle``) where dtype and shape match.
 
 Decode recipe: per record, its words from its own blob or its group's (each group blob
 decompressed once per file), viewed as the record's dtype and shape, XORed with the parent's
@@ -81,6 +82,10 @@ class _EncoderTensors(Mapping):
     def owns(self, name: str) -> bool:
         """Whether the record is one of the large records' copies (not a view of group words)."""
         return name in self._own
+
+    def own(self, name: str) -> torch.Tensor | None:
+        """The record's own copy, None for a small record (a view of its group's words) or none."""
+        return self._own.get(name)
 
     def spec(self, name: str) -> tuple[torch.dtype, torch.Size] | None:
         """The record's dtype and shape, without making its view."""
@@ -149,8 +154,15 @@ class LosslessMethod(Method):
         praw = prev.raw_planes if prev is not None else {}
 
         # a spent writer's reference holds its own copies of the large records: the new bits overwrite
-        # the parent's once XORed (a fresh copy of the state per save cost its allocation and page faults)
+        # the parent's once XORed (a fresh copy of the state per save cost its allocation and page faults),
+        # and a keyframe's copies go into its spent predecessor's (ctx.recycle) where dtype and shape match
         reuse = ctx.reference_spent and prev is not None and isinstance(prev.exact, _EncoderTensors)
+        spare = ctx.recycle.exact if ctx.reference_spent and prev is None and isinstance(
+            ctx.recycle, LosslessReference) and isinstance(ctx.recycle.exact, _EncoderTensors) else None
+
+        def keep(name: str, t: torch.Tensor) -> torch.Tensor:  # the reference's own copy of t
+            s = spare.own(name) if spare is not None else None
+            return s.copy_(t) if s is not None and s.dtype == t.dtype and s.shape == t.shape else t.clone()
 
         def one(item):  # XOR, byte planes and zstd of one tensor (threads: none of it holds the GIL)
             name, t, xor = item
@@ -159,7 +171,7 @@ class LosslessMethod(Method):
             data = bytegroup.compress(to_numpy_bits(t), t.element_size(), float_bits=t.is_floating_point(),
                                       level=level, prev=None if p is None else to_numpy_bits(p),
                                       store_raw=praw.get(name, ()) if xor else (), advance=advance)
-            return data, p if advance else t.clone()
+            return data, p if advance else keep(name, t)
 
         large, members = [], {}  # members: group key -> [(name, tensor, xor)] in record order
         for name in state.records:  # one pass: each record's parent (same dtype and shape), its blob or group
