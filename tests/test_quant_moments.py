@@ -39,13 +39,33 @@ def test_chunked_float64_decode_equals_one_pass(adam_pair, monkeypatch, dtype):
     step = float(q.meta["step"])
     want_D = c.to(torch.float64).mul(step).exp2().mul(hp.eps).to(torch.float32)
     want_v = want_D.to(torch.float64).sub(hp.eps).clamp_min(0).square().mul(hp.bc2).to(dtype).reshape(v.shape)
-    monkeypatch.setattr(M, "_F64_CHUNK", 7)
+    monkeypatch.setattr(M, "_CHUNK", 7)
     for codes in (c, c.to(torch.uint8) if int(c.max()) < 256 else c.to(torch.int16)):
         D = M.decode_denominator(q, hp, codes)
         assert D.dtype == torch.float32 and torch.equal(D, want_D)
         got = M.v_from_denominator(D, hp, v.shape, dtype)
         assert got.dtype == dtype and got.shape == v.shape and torch.equal(got, want_v)
     assert M.decode_denominator(q, hp, c[:0]).numel() == 0
+
+
+def test_chunked_grid_codes_equal_one_pass(adam_pair, monkeypatch):
+    """The kernel's grid codes, chunk by chunk through one buffer, are those of one pass over the
+    whole tensor (a chunk of 1024: a multiple of the SIMD widths, as the default), with Adam's eps
+    and with one eps per element, and the reference's where the kernel gives up."""
+    m, v, hp = adam_pair
+    vf, mf = v.reshape(-1).float(), m.reshape(-1).float()
+    D = M._denominator(vf, hp)
+    per_element = torch.full_like(vf, hp.eps)
+    want = {k: M._grid_codes(vf, D, e, 0.5, mf) for k, e in (("eps", hp.eps), ("per element", per_element))}
+    monkeypatch.setattr(M, "_CHUNK", 1024)
+    assert vf.numel() > 3 * 1024
+    for k, e in (("eps", hp.eps), ("per element", per_element)):
+        c, top = M._grid_codes(vf, D, e, 0.5, mf)
+        assert torch.equal(c, want[k][0]) and top == want[k][1] == int(c.max()), k
+    huge = D.clone()
+    huge[-1] = float("inf")  # the kernel gives up on its chunk: the reference codes the whole tensor
+    c, top = M._grid_codes(vf, huge, hp.eps, 0.5, mf)
+    assert top is None and c.dtype == torch.int64
 
 
 def test_grid_is_stable_and_never_zero_where_m_is_not(adam_pair):

@@ -122,12 +122,21 @@ def _grid_codes(vf: torch.Tensor, D: torch.Tensor, eps: float | torch.Tensor, st
     small: half the fresh pages of int64), int64 from the reference."""
     if not step > 0:
         raise ConfigError(f"moment grid step must be > 0 (log2 units), got {step}")
-    t = torch.div(D, eps).log2_().div_(step)
-    if _use_kernels(t):  # the integer tail below in one pass (quant/momentkernels.py)
-        out = np.empty(t.numel(), dtype=np.int32)
-        top = int(K.grid_tail(t.numpy(), vf.numpy(), (mf if mf is not None else vf[:0]).numpy(), out, 2.0 ** 31 - 1))
-        if top >= 0:
+    if _use_kernels(D):  # the integer tail below in one pass (quant/momentkernels.py), chunk by chunk
+        n, top = D.numel(), 0
+        out = np.empty(n, dtype=np.int32)
+        buf = torch.empty(min(n, _CHUNK), dtype=D.dtype)  # t's chunks: one buffer, not 4 fresh bytes an element
+        for a in range(0, n, _CHUNK):
+            e = eps[a:a + _CHUNK] if isinstance(eps, torch.Tensor) else eps
+            t = torch.div(D[a:a + _CHUNK], e, out=buf[:min(_CHUNK, n - a)]).log2_().div_(step)
+            m = mf[a:a + _CHUNK] if mf is not None else vf[:0]
+            got = int(K.grid_tail(t.numpy(), vf[a:a + _CHUNK].numpy(), m.numpy(), out[a:a + _CHUNK], 2.0 ** 31 - 1))
+            if got < 0:
+                break
+            top = max(top, got)
+        else:
             return torch.from_numpy(out), top
+    t = torch.div(D, eps).log2_().div_(step)
     c = t.round_().to(torch.int64).clamp_min_(1)
     zero = vf == 0
     if mf is not None:
@@ -209,7 +218,9 @@ def v_from_denominator(D: torch.Tensor, hp: AdamHP, shape, dtype: torch.dtype = 
     return _map_f64(D, lambda w: w.sub_(hp.eps).clamp_min_(0).square_().mul_(hp.bc2), dtype).reshape(shape)
 
 
-_F64_CHUNK = 1 << 20  # elements per float64 pass of _map_f64 on the CPU: one 8 MiB buffer, reused
+# elements per pass of the chunked maps on the CPU (one reused buffer); a multiple of every SIMD width,
+# so each element takes the vectorized or the scalar path it takes in one pass over the whole tensor
+_CHUNK = 1 << 20
 
 
 def _map_f64(x: torch.Tensor, fn, dtype: torch.dtype) -> torch.Tensor:
@@ -219,7 +230,7 @@ def _map_f64(x: torch.Tensor, fn, dtype: torch.dtype) -> torch.Tensor:
     restore); on other devices in one pass."""
     x = x.reshape(-1)
     n = x.numel()
-    chunk = _F64_CHUNK if x.device.type == "cpu" else max(n, 1)
+    chunk = _CHUNK if x.device.type == "cpu" else max(n, 1)
     out = torch.empty(n, dtype=dtype, device=x.device)
     buf = torch.empty(min(n, chunk), dtype=torch.float64, device=x.device)
     for a in range(0, n, chunk):
