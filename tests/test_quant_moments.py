@@ -68,6 +68,23 @@ def test_chunked_grid_codes_equal_one_pass(adam_pair, monkeypatch):
     assert top is None and c.dtype == torch.int64
 
 
+@pytest.mark.parametrize("prune", [0.0, 0.9])
+@pytest.mark.parametrize("normalized", [False, True])
+def test_chunked_sign_direction_equals_one_pass(adam_pair, monkeypatch, prune, normalized):
+    """A large tensor's 1-bit direction, row chunk by row chunk through reused buffers, has the
+    codes, scales and meta of the one-pass batch path (forced here by a small chunk)."""
+    m, v, hp = adam_pair
+    mf = m.reshape(-1).float()
+    D = M._denominator(v.reshape(-1).float(), hp) if normalized else None
+    want = M._quantize_ms(mf, D, [m], bits=1, group=256, prune=prune)[0]
+    monkeypatch.setattr(M, "_CHUNK", 1024)  # 4 rows of 256 a chunk; the tensor is over the chunk size
+    assert mf.numel() > 1024 and mf.numel() % 256 == 0
+    got = M._quantize_ms(mf, D, [m], bits=1, group=256, prune=prune)[0]
+    assert torch.equal(got.codes, want.codes) and got.codes.dtype == want.codes.dtype
+    assert torch.equal(got.side["scale"], want.side["scale"]) and torch.equal(got.codebook, want.codebook)
+    assert got.meta == want.meta and got.shape == want.shape and got.n_levels == want.n_levels
+
+
 def test_grid_is_stable_and_never_zero_where_m_is_not(adam_pair):
     m, v, hp = adam_pair
     v = v.clone()

@@ -274,6 +274,8 @@ def _quantize_ms(mf: torch.Tensor, D: torch.Tensor | None, ms: list[torch.Tensor
         raise ConfigError(f"moment group must be an int >= 1, got {group!r}")
     if not 0.0 <= prune < 1.0:
         raise ConfigError(f"moment prune must be in [0, 1), got {prune}")
+    if bits == 1 and len(ms) == 1 and mf.numel() > _CHUNK and mf.numel() % group == 0 and _use_kernels(mf):
+        return [_sign_chunked(mf, D, ms[0], group=group, prune=prune)]
     u = mf if D is None else mf / D.reshape(-1).to(mf.device)
     ns = [x.numel() for x in ms]
     pads = [(-n) % group for n in ns]
@@ -323,6 +325,40 @@ def _quantize_ms(mf: torch.Tensor, D: torch.Tensor | None, ms: list[torch.Tensor
         codes = torch.where(keep if bits == 1 else a > cut, shifted, half)
     return _split_m(codes.reshape(-1).to(torch.uint8), s, levels, ms, starts, ns, bits=bits, group=group,
                     prune=prune, normalized=D is not None)
+
+
+def _sign_chunked(mf: torch.Tensor, D: torch.Tensor | None, m: torch.Tensor, *, group: int, prune: float
+                  ) -> QuantizedTensor:
+    """_quantize_ms of one large tensor of whole groups at 1 bit with the CPU kernel, by chunks of
+    rows through reused buffers: u, |u| and the keep mask of the whole tensor were 9 fresh bytes an
+    element. The same codes and scales (tests/test_quant_moments.py): the cut from the same strided
+    sample of |u|, each row's scale from its own elements."""
+    n, rows = mf.numel(), mf.numel() // group
+    d = D.reshape(-1).to(mf.device) if D is not None else None
+    cut = None
+    if prune > 0:
+        stride = max(1, n // 65536)
+        sample = mf[::stride] if d is None else mf[::stride] / d[::stride]
+        cut = _quantile(sample.abs(), prune)
+    per = max(1, _CHUNK // group)  # rows per chunk
+    ubuf, abuf = torch.empty(per * group), torch.empty(per * group)
+    kbuf = torch.ones(per * group, dtype=torch.bool)  # all kept where nothing is pruned
+    scale = torch.empty(rows, dtype=torch.bfloat16)
+    out = np.empty((rows, group), dtype=np.uint8)
+    cuts = (cut.expand(per) if cut is not None else torch.empty(0)).contiguous().numpy()
+    for r0 in range(0, rows, per):
+        r = min(per, rows - r0)
+        x = mf[r0 * group:(r0 + r) * group]
+        ug = (x if d is None else torch.div(x, d[r0 * group:(r0 + r) * group], out=ubuf[:r * group])).view(r, group)
+        a = torch.abs(ug, out=abuf[:r * group].view(r, group))
+        keep = kbuf[:r * group].view(r, group)
+        if cut is not None:
+            torch.gt(a, cut, out=keep)
+        s = (a.mul_(keep).sum(1) / keep.sum(1).clamp_min(1)).to(torch.bfloat16)
+        scale[r0:r0 + r] = s
+        K.sign_tail(ug.numpy(), s.float().clamp_min(1e-38).numpy(), cuts[:r] if cut is not None else cuts, out[r0:r0 + r])
+    return _split_m(torch.from_numpy(out).reshape(-1), scale, levels_table(1, prune), [m], [0, n], [n], bits=1,
+                    group=group, prune=prune, normalized=D is not None)[0]
 
 
 def _split_m(codes: torch.Tensor, s: torch.Tensor, levels: torch.Tensor, ms: list[torch.Tensor], starts: list[int],
