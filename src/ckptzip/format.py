@@ -59,9 +59,13 @@ def sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def blake3_hex(data: bytes | memoryview) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
 def _digest(kind: str, data: bytes | memoryview) -> str:
     if kind == "blake3":
-        return blake3.blake3(data).hexdigest()
+        return blake3_hex(data)
     return sha256(data) if kind == "sha256" else f"{zlib.crc32(data):08x}"
 
 

@@ -44,10 +44,10 @@ import os
 import threading
 import uuid
 
-import blake3
 import fsspec
 
 from .errors import WriteConflictError
+from .format import blake3_hex
 from .payload import Payload, as_bytes
 from .retry import CONFLICT_CODES, RetryPolicy, call, service_error
 
@@ -58,7 +58,7 @@ def _version(data: bytes) -> str:
     """A version token of an object whose store has none (local, memory: write_if compares the
     content): its BLAKE3, 4x faster than SHA-256 here, and the index is read and rewritten whole
     on every save."""
-    return blake3.blake3(data).hexdigest()
+    return blake3_hex(data)
 
 
 class Storage:

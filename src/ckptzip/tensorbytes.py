@@ -19,6 +19,8 @@ DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
     "uint8": (torch.uint8, np.dtype("u1")),
     "bool": (torch.bool, np.dtype("?")),
 }
+# the integer dtypes quantization codes may come in: the codec kernels read them as they are
+INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 # same-width integer type used to view float bits (XOR deltas, byte grouping)
 BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})

@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..tensorbytes import numpy_dtype
+from ..tensorbytes import INT_DTYPES, numpy_dtype
 
 try:  # numba is an optional fast path; the torch reference below is always available
     import numba as _numba
@@ -51,7 +51,6 @@ __all__ = ["cyclic_delta", "undo_cyclic_delta", "rearrange", "unrearrange", "gro
            "undo_grouped_cyclic_delta", "group_order", "HAVE_NUMBA"]
 
 HAVE_NUMBA = _numba is not None
-_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _WIDER = (torch.int16, torch.int32, torch.int64)
 
 
@@ -293,7 +292,7 @@ def _use_numba(backend: str, values: torch.Tensor, keys: torch.Tensor) -> bool:
 def _flat_codes(t: torch.Tensor, name: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of integer codes, got {type(t).__name__}")
-    if t.dtype not in _INT_DTYPES:
+    if t.dtype not in INT_DTYPES:
         raise TypeError(f"{name} must hold integer codes (uint8, int8, int16, int32 or int64), got {t.dtype}; "
                         "cast with .long()")
     return t.reshape(-1).contiguous()

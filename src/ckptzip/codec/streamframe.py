@@ -22,11 +22,11 @@ import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
+from ..tensorbytes import INT_DTYPES, numpy_dtype
 
 # integer dtypes the numba kernels read as they are (each op widens to int64 first): a code stream of
 # 124M uint8 codes widened to int64 was 1 GB of fresh pages per save, a page fault per 4 KiB
-NARROW = (np.uint8, np.int8, np.int16, np.int32, np.int64)
-_TORCH_NARROW = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+NARROW = tuple(numpy_dtype(d).type for d in INT_DTYPES)
 
 
 def as_symbols(symbols, *, narrow: bool = False) -> np.ndarray:
@@ -36,7 +36,7 @@ def as_symbols(symbols, *, narrow: bool = False) -> np.ndarray:
         if symbols.dtype.is_floating_point or symbols.dtype.is_complex or symbols.dtype == torch.bool:
             raise TypeError(f"symbols must be integers, got {symbols.dtype}")
         t = symbols.detach().reshape(-1).cpu()
-        symbols = t.numpy() if narrow and t.dtype in _TORCH_NARROW else t.to(torch.int64).numpy()
+        symbols = t.numpy() if narrow and t.dtype in INT_DTYPES else t.to(torch.int64).numpy()
     a = np.asarray(symbols)
     if a.dtype.kind not in "iu" and not (a.size == 0 and a.dtype.kind == "f"):
         raise TypeError(f"symbols must be integers, got dtype {a.dtype}")
@@ -44,7 +44,6 @@ def as_symbols(symbols, *, narrow: bool = False) -> np.ndarray:
         raise ValueError("symbols must fit in int64")
     keep = narrow and a.dtype.type in NARROW
     return np.ascontiguousarray(a.reshape(-1), dtype=a.dtype if keep else np.int64)
-
 
 
 def write_varint(out: bytearray, value: int) -> None:

@@ -356,7 +356,7 @@ def _sign_chunked(mf: torch.Tensor, D: torch.Tensor | None, m: torch.Tensor, *, 
             torch.gt(a, cut, out=keep)
         s = (a.mul_(keep).sum(1) / keep.sum(1).clamp_min(1)).to(torch.bfloat16)
         scale[r0:r0 + r] = s
-        K.sign_tail(ug.numpy(), s.float().clamp_min(1e-38).numpy(), cuts[:r] if cut is not None else cuts, out[r0:r0 + r])
+        K.sign_tail(ug.numpy(), s.float().clamp_min(1e-38).numpy(), cuts[:r], out[r0:r0 + r])  # empty: no cut
     return _split_m(torch.from_numpy(out).reshape(-1), scale, levels_table(1, prune), [m], [0, n], [n], bits=1,
                     group=group, prune=prune, normalized=D is not None)[0]
 
