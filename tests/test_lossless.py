@@ -461,9 +461,17 @@ def test_bytegroup_kernels_equal_the_numpy_reference(width, dtype):
         for p in (None, prev):
             planes = bytegroup.split_planes(words, rotate, p)
             assert np.array_equal(planes, bytegroup.split_planes(words, rotate, p, backend="numpy"))
+            for backend in ("auto", "numpy"):  # advance: the same planes, and prev then holds the words
+                held = prev.copy()
+                got = bytegroup.split_planes(words, rotate, held if p is not None else None, backend=backend,
+                                             advance=True)
+                assert np.array_equal(got, planes)
+                assert np.array_equal(held, words if p is not None else prev)
         planes = bytegroup.split_planes(words, rotate)
-        assert np.array_equal(bytegroup.merge_planes(planes, rotate, dtype), words)
-        assert np.array_equal(bytegroup.merge_planes(planes, rotate, dtype, backend="numpy"), words)
+        for backend in ("auto", "numpy"):  # and with a parent's words XORed in as they merge
+            assert np.array_equal(bytegroup.merge_planes(planes, rotate, dtype, backend=backend), words)
+            assert np.array_equal(bytegroup.merge_planes(planes, rotate, dtype, backend=backend, prev=prev),
+                                  words ^ prev)
     # the fused XOR writes what XOR-then-compress wrote
     raw, old = words.tobytes(), prev.tobytes()
     assert bytegroup.compress(raw, width, prev=old) == bytegroup.compress((words ^ prev).tobytes(), width)
@@ -471,6 +479,12 @@ def test_bytegroup_kernels_equal_the_numpy_reference(width, dtype):
     p = bytearray(old)
     assert bytegroup.compress(raw, width, prev=p, advance=True) == bytegroup.compress(raw, width, prev=old)
     assert bytes(p) == raw
+    # decompress_words: the words, or with the parent's XORed back in, a delta's new words
+    delta = bytegroup.compress(raw, width, prev=old)
+    assert np.array_equal(bytegroup.decompress_words(bytegroup.compress(raw, width)), words)
+    assert np.array_equal(bytegroup.decompress_words(delta, prev), words)
+    with pytest.raises(CorruptCheckpointError, match="parent"):
+        bytegroup.decompress_words(delta, prev[1:])
 
 
 def test_spent_writer_reference_is_advanced_in_place(digits_snapshots):

@@ -340,8 +340,17 @@ class CheckpointChain:
                               blobs=c.blobs, meta=m.get("method_meta", {}), keyframe=m["keyframe"])
             if key not in methods:
                 methods[key] = method_for_file(m["method"], m.get("config"))
+            known = set()  # records share a few pipelines: each checked once
             for n, r in enc.records.items():  # every stage known before the method reads a byte
-                check_pipeline(r["pipeline"], record=n, method=m["method"].partition("/")[0])
+                p = r["pipeline"]
+                try:
+                    seen = tuple(p) if type(p) is list else None
+                    fresh = seen is None or seen not in known
+                except TypeError:  # an unhashable descriptor: check_pipeline names it
+                    seen, fresh = None, True
+                if fresh:
+                    check_pipeline(p, record=n, method=m["method"].partition("/")[0])
+                    known.add(seen)
             tensors, ref = methods[key].decode(records, enc, ref, ctx=DecodeContext(step=s, device=device, base=self.base))
             if set(skeleton_refs(m["skeleton"])) - set(tensors):
                 raise CorruptCheckpointError(f"{self.storage.path(e.file)}: skeleton names tensors the file lacks")

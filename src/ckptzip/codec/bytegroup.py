@@ -14,9 +14,11 @@ Planes are zstd frames compressed with ``frames.zstd_compress(plane=True)`` (the
 finder narrowed to long matches: faster and smaller on planes); ``plane=False`` is the plain-level
 reference. Both are standard zstd frames: the reader does not know which wrote them.
 
-Speed: splitting words into planes (and, for a delta, XOR with the previous words) is one numba
-pass (``backend="auto"``); the numpy reference below gives the same planes (tests compare). The
-same for the merge on decompress.
+Speed: splitting words into planes (and, for a delta, XOR with the previous words, and with
+``advance`` the store of the new words over them) is one numba pass (``backend="auto"``); the numpy
+reference below gives the same planes (tests compare). The same for the merge on decompress, with a
+parent's words XORed back in (:func:`decompress_words`). Widths 2 and 4 (fp16/bf16, fp32) have a
+loop per case: a branch per word kept the one generic loop from vectorizing (30-40 % slower).
 """
 from __future__ import annotations
 
@@ -48,30 +50,49 @@ def _rotr1(words: np.ndarray, bits: int) -> np.ndarray:
 
 
 def split_planes(words: np.ndarray, rotate: bool, prev: np.ndarray | None = None, *,
-                 backend: str = "auto", out: np.ndarray | None = None) -> np.ndarray:
+                 backend: str = "auto", out: np.ndarray | None = None, advance: bool = False) -> np.ndarray:
     """(width, n) uint8 byte planes, most significant first, of ``words`` (uint, native order),
     XORed with ``prev`` first when given, each rotated left by one bit when ``rotate``; into
-    ``out`` when given (numba backend)."""
+    ``out`` when given (numba backend). ``advance``: ``prev`` (writable) then holds ``words``."""
     width = words.dtype.itemsize
+    if prev is None:
+        advance = False
     if _use_numba(backend):
         out = np.empty((width, words.size), dtype=np.uint8) if out is None else out
+        kernel = _SPLIT_KERNELS.get(width)
+        if kernel is not None:  # a loop per case (a branch per word kept them from vectorizing)
+            if advance:  # the store fused into the split (its own kernel: a read-only prev compiles none)
+                kernel[1](words, prev, rotate, out)
+            else:
+                kernel[0](words, prev if prev is not None else words[:0], rotate, out)
+            return out
         _split_kernel(words, prev if prev is not None else words[:0], rotate, out)
-        return out
-    if prev is not None:
-        words = words ^ prev
-    if rotate:
-        words = _rotl1(words, 8 * width)
-    return np.ascontiguousarray(words.view(np.uint8).reshape(-1, width)[:, ::-1].T)
+    else:
+        x = words ^ prev if prev is not None else words
+        x = _rotl1(x, 8 * width) if rotate else x
+        out = np.ascontiguousarray(x.view(np.uint8).reshape(-1, width)[:, ::-1].T)
+    if advance:
+        prev[:] = words
+    return out
 
 
-def merge_planes(planes: np.ndarray, rotate: bool, dtype, *, backend: str = "auto") -> np.ndarray:
-    """Inverse of :func:`split_planes` (without a prev): (width, n) planes -> n words of ``dtype``."""
+def merge_planes(planes: np.ndarray, rotate: bool, dtype, *, backend: str = "auto",
+                 prev: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of :func:`split_planes`: (width, n) planes -> n new words of ``dtype`` (uint, native
+    order), XORed with ``prev`` (n words of ``dtype``) last when given, in the same pass."""
     if _use_numba(backend):
         out = np.empty(planes.shape[1], dtype=dtype)
+        kernel = _MERGE_KERNELS.get(planes.shape[0])
+        if kernel is not None:  # a loop per case, as the split's
+            kernel(planes, rotate, prev if prev is not None else out[:0], out)
+            return out
         _merge_kernel(planes, rotate, out)
-        return out
-    words = np.ascontiguousarray(planes[::-1].T).view(dtype).reshape(-1)
-    return _rotr1(words, 8 * planes.shape[0]) if rotate else words
+    else:
+        out = np.ascontiguousarray(planes[::-1].T).view(dtype).reshape(-1)
+        out = _rotr1(out, 8 * planes.shape[0]) if rotate else out
+    if prev is not None:
+        np.bitwise_xor(out, prev, out=out)
+    return out
 
 
 def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, level: int = 3,
@@ -84,7 +105,7 @@ def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, le
     mantissa planes of an XOR delta are near-random), stored raw unless zstd shrinks their first
     ``PROBE_BYTES`` (:func:`_probe`); ``advance``: ``prev`` (a writable buffer)
     is then overwritten with ``raw`` (a caller that keeps the words as its next reference copies them
-    into memory it holds already; a store fused into the split kernel slowed it 2x)."""
+    into memory it holds already), in the split's pass."""
     raw = memoryview(raw).cast("B")
     if width not in _UINT or len(raw) % width:
         raise ValueError(f"byte grouping needs a width in {sorted(_UINT)} dividing the data, got {width}")
@@ -96,8 +117,10 @@ def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, le
         if prev.size != words.size:
             raise ValueError(f"prev has {prev.size} words, raw {words.size}")
     rotate = bool(float_bits and width > 1)
-    planes = split_planes(words, rotate, prev, out=_planes_buffer(width, len(words)))  # (width, n): MSB first
-    if advance and prev is not None:
+    # (width, n): MSB first; ``advance`` writes the words into ``prev`` where it is the held buffer itself
+    fused = advance and prev is not None and sys.byteorder == "little"  # prev is then a view of held
+    planes = split_planes(words, rotate, prev, out=_planes_buffer(width, len(words)), advance=fused)
+    if advance and prev is not None and not fused:
         held[:] = raw  # bytes for bytes: the words' order on this host does not matter
     parts = []
     for i, p in enumerate(planes):
@@ -146,6 +169,14 @@ def raw_planes(blob: bytes | memoryview) -> tuple[int, ...]:
 
 
 def decompress(blob: bytes | memoryview) -> bytes:
+    """Inverse of :func:`compress` without a prev: the little-endian bytes of the words."""
+    words = decompress_words(blob)
+    return words.astype(_LE[words.itemsize], copy=False).tobytes()
+
+
+def decompress_words(blob: bytes | memoryview, prev: np.ndarray | None = None) -> np.ndarray:
+    """The blob's words as a new, writable array (unsigned ints, native order), XORed with ``prev``
+    (as many words of that width) when given: a delta's words undone without another pass."""
     blob = memoryview(blob)
     try:
         width, flags, n = struct.unpack_from("<BBQ", blob, 0)
@@ -159,6 +190,9 @@ def decompress(blob: bytes | memoryview) -> bytes:
     if end != len(blob):
         raise CorruptCheckpointError("byte-grouped blob has trailing bytes" if end < len(blob) else
                                      f"byte-grouped blob is truncated: {len(blob)} bytes, its planes need {end}")
+    if prev is not None and (prev.dtype != _UINT[width] or prev.size != n):
+        raise CorruptCheckpointError(f"byte-grouped blob holds {n} words of {width} bytes, its parent "
+                                     f"{prev.size} of {prev.itemsize}")
     for i, ln in enumerate(lens):
         size = ln & ~_RAW
         chunk = blob[off:off + size]
@@ -168,14 +202,13 @@ def decompress(blob: bytes | memoryview) -> bytes:
         if ln & _RAW:
             if size != n:
                 raise CorruptCheckpointError(f"byte plane {i} holds {size} bytes, expected {n}")
-            p = bytes(chunk)
+            p = chunk
         else:
             p = zstd_decompress(chunk, max_bytes=n, exact=True, what=f"byte plane {i}")
         if i == 0:
             planes = np.empty((width, n), dtype=np.uint8)
         planes[i] = np.frombuffer(p, dtype=np.uint8)
-    words = merge_planes(planes, bool(flags & 1), _UINT[width])
-    return words.astype(_LE[width], copy=False).tobytes()
+    return merge_planes(planes, bool(flags & 1), _UINT[width], prev=prev)
 
 
 _LE = {w: np.dtype(t).newbyteorder("<") for w, t in _UINT.items()}
@@ -209,23 +242,149 @@ if _numba is not None:
         mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
         xor = prev.shape[0] == words.shape[0]
         n = words.shape[0]
-        if width == 4:  # float32: the common case, four explicit stores per word
+        for i in range(n):  # widths 2 and 4 have their own kernels (_SPLIT_KERNELS)
+            w = _prep(words[i], prev[i] if xor else words[i], xor, rotate, top, mask)
+            for b in range(width):
+                out[width - 1 - b, i] = np.uint8((w >> np.uint64(8 * b)) & np.uint64(0xFF))
+
+    @_numba.njit(cache=True, nogil=True, inline="always")
+    def _put4(o, i, v):  # pragma: no cover - compiled
+        o[0, i] = np.uint8(v >> np.uint64(24))
+        o[1, i] = np.uint8((v >> np.uint64(16)) & np.uint64(0xFF))
+        o[2, i] = np.uint8((v >> np.uint64(8)) & np.uint64(0xFF))
+        o[3, i] = np.uint8(v & np.uint64(0xFF))
+
+    @_numba.njit(cache=True, nogil=True, inline="always")
+    def _rot4(v):  # pragma: no cover - compiled
+        return ((v << np.uint64(1)) | (v >> np.uint64(31))) & np.uint64(0xFFFFFFFF)
+
+    @_numba.njit(cache=True, nogil=True)
+    def _split4(words, prev, rotate, out):  # pragma: no cover - compiled
+        n = words.shape[0]
+        if prev.shape[0] != n:
+            if rotate:
+                for i in range(n):
+                    _put4(out, i, _rot4(np.uint64(words[i])))
+            else:
+                for i in range(n):
+                    _put4(out, i, np.uint64(words[i]))
+        else:
+            if rotate:
+                for i in range(n):
+                    _put4(out, i, _rot4(np.uint64(words[i] ^ prev[i])))
+            else:
+                for i in range(n):
+                    _put4(out, i, np.uint64(words[i] ^ prev[i]))
+
+    @_numba.njit(cache=True, nogil=True)
+    def _advance4(words, prev, rotate, out):  # pragma: no cover - compiled
+        n = words.shape[0]
+        if rotate:
             for i in range(n):
-                w = _prep(words[i], prev[i] if xor else words[i], xor, rotate, top, mask)
-                out[0, i] = np.uint8(w >> np.uint64(24))
-                out[1, i] = np.uint8((w >> np.uint64(16)) & np.uint64(0xFF))
-                out[2, i] = np.uint8((w >> np.uint64(8)) & np.uint64(0xFF))
-                out[3, i] = np.uint8(w & np.uint64(0xFF))
-        elif width == 2:
-            for i in range(n):
-                w = _prep(words[i], prev[i] if xor else words[i], xor, rotate, top, mask)
-                out[0, i] = np.uint8(w >> np.uint64(8))
-                out[1, i] = np.uint8(w & np.uint64(0xFF))
+                w = words[i]
+                _put4(out, i, _rot4(np.uint64(w ^ prev[i])))
+                prev[i] = w
         else:
             for i in range(n):
-                w = _prep(words[i], prev[i] if xor else words[i], xor, rotate, top, mask)
-                for b in range(width):
-                    out[width - 1 - b, i] = np.uint8((w >> np.uint64(8 * b)) & np.uint64(0xFF))
+                w = words[i]
+                _put4(out, i, np.uint64(w ^ prev[i]))
+                prev[i] = w
+
+    @_numba.njit(cache=True, nogil=True, inline="always")
+    def _put2(o, i, v):  # pragma: no cover - compiled
+        o[0, i] = np.uint8(v >> np.uint64(8))
+        o[1, i] = np.uint8(v & np.uint64(0xFF))
+
+    @_numba.njit(cache=True, nogil=True, inline="always")
+    def _rot2(v):  # pragma: no cover - compiled
+        return ((v << np.uint64(1)) | (v >> np.uint64(15))) & np.uint64(0xFFFF)
+
+    @_numba.njit(cache=True, nogil=True)
+    def _split2(words, prev, rotate, out):  # pragma: no cover - compiled
+        n = words.shape[0]
+        if prev.shape[0] != n:
+            if rotate:
+                for i in range(n):
+                    _put2(out, i, _rot2(np.uint64(words[i])))
+            else:
+                for i in range(n):
+                    _put2(out, i, np.uint64(words[i]))
+        else:
+            if rotate:
+                for i in range(n):
+                    _put2(out, i, _rot2(np.uint64(words[i] ^ prev[i])))
+            else:
+                for i in range(n):
+                    _put2(out, i, np.uint64(words[i] ^ prev[i]))
+
+    @_numba.njit(cache=True, nogil=True)
+    def _advance2(words, prev, rotate, out):  # pragma: no cover - compiled
+        n = words.shape[0]
+        if rotate:
+            for i in range(n):
+                w = words[i]
+                _put2(out, i, _rot2(np.uint64(w ^ prev[i])))
+                prev[i] = w
+        else:
+            for i in range(n):
+                w = words[i]
+                _put2(out, i, np.uint64(w ^ prev[i]))
+                prev[i] = w
+
+    _SPLIT_KERNELS = {4: (_split4, _advance4), 2: (_split2, _advance2)}
+
+    @_numba.njit(cache=True, nogil=True, inline="always")
+    def _get4(p, i):  # pragma: no cover - compiled
+        return (np.uint64(p[0, i]) << np.uint64(24)) | (np.uint64(p[1, i]) << np.uint64(16)) \
+            | (np.uint64(p[2, i]) << np.uint64(8)) | np.uint64(p[3, i])
+
+    @_numba.njit(cache=True, nogil=True, inline="always")
+    def _rotr4(v):  # pragma: no cover - compiled
+        return ((v >> np.uint64(1)) | (v << np.uint64(31))) & np.uint64(0xFFFFFFFF)
+
+    @_numba.njit(cache=True, nogil=True)
+    def _merge4(planes, rotate, prev, out):  # pragma: no cover - compiled
+        n = out.shape[0]
+        if prev.shape[0] != n:
+            if rotate:
+                for i in range(n):
+                    out[i] = _rotr4(_get4(planes, i))
+            else:
+                for i in range(n):
+                    out[i] = _get4(planes, i)
+        elif rotate:
+            for i in range(n):
+                out[i] = _rotr4(_get4(planes, i)) ^ np.uint64(prev[i])
+        else:
+            for i in range(n):
+                out[i] = _get4(planes, i) ^ np.uint64(prev[i])
+
+    @_numba.njit(cache=True, nogil=True, inline="always")
+    def _get2(p, i):  # pragma: no cover - compiled
+        return (np.uint64(p[0, i]) << np.uint64(8)) | np.uint64(p[1, i])
+
+    @_numba.njit(cache=True, nogil=True, inline="always")
+    def _rotr2(v):  # pragma: no cover - compiled
+        return ((v >> np.uint64(1)) | (v << np.uint64(15))) & np.uint64(0xFFFF)
+
+    @_numba.njit(cache=True, nogil=True)
+    def _merge2(planes, rotate, prev, out):  # pragma: no cover - compiled
+        n = out.shape[0]
+        if prev.shape[0] != n:
+            if rotate:
+                for i in range(n):
+                    out[i] = _rotr2(_get2(planes, i))
+            else:
+                for i in range(n):
+                    out[i] = _get2(planes, i)
+        elif rotate:
+            for i in range(n):
+                out[i] = _rotr2(_get2(planes, i)) ^ np.uint64(prev[i])
+        else:
+            for i in range(n):
+                out[i] = _get2(planes, i) ^ np.uint64(prev[i])
+
+    _MERGE_KERNELS = {4: _merge4, 2: _merge2}
 
     @_numba.njit(cache=True, nogil=True)
     def _merge_kernel(planes, rotate, out):  # pragma: no cover - compiled
@@ -233,18 +392,13 @@ if _numba is not None:
         top = np.uint64(8 * width - 1)
         mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
         one = np.uint64(1)
-        for i in range(out.shape[0]):
-            if width == 4:
-                w = (np.uint64(planes[0, i]) << np.uint64(24)) | (np.uint64(planes[1, i]) << np.uint64(16)) \
-                    | (np.uint64(planes[2, i]) << np.uint64(8)) | np.uint64(planes[3, i])
-            elif width == 2:
-                w = (np.uint64(planes[0, i]) << np.uint64(8)) | np.uint64(planes[1, i])
-            else:
-                w = np.uint64(0)
-                for b in range(width):
-                    w = (w << np.uint64(8)) | np.uint64(planes[b, i])
+        for i in range(out.shape[0]):  # widths 2 and 4 have their own kernels (_MERGE_KERNELS)
+            w = np.uint64(0)
+            for b in range(width):
+                w = (w << np.uint64(8)) | np.uint64(planes[b, i])
             if rotate:
                 w = ((w >> one) | (w << top)) & mask
             out[i] = w
 else:  # pragma: no cover
     _split_kernel = _merge_kernel = None
+    _SPLIT_KERNELS = _MERGE_KERNELS = {}

@@ -40,6 +40,7 @@ import fcntl
 import glob
 import hashlib
 import json
+import math
 import mmap
 import os
 import struct
@@ -181,7 +182,7 @@ class Segment:
     def tensor(self, dtype: torch.dtype, shape, offset: int) -> torch.Tensor:
         """A tensor viewing the segment's bytes at ``offset`` (shares memory; no copy)."""
         shape = tuple(int(s) for s in shape)
-        n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        n = math.prod(shape)
         if n == 0:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(self.mm, dtype=dtype, count=n, offset=offset).view(shape)

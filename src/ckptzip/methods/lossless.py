@@ -37,7 +37,7 @@ from ..configcheck import check_fields
 from ..errors import CorruptCheckpointError
 from ..parallel import thread_map
 from ..state import FlatState, TensorRecord
-from ..tensorbytes import BITS_DTYPE, host, tensor_from_bytes, to_numpy_bits
+from ..tensorbytes import BITS_DTYPE, host, tensor_from_bytes, tensor_from_words, to_numpy_bits, torch_dtype
 from .base import DecodeContext, EncodeContext, Encoded, Method, Reference, register
 from .groups import GROUP_BELOW, GroupWriter, group_key, group_words
 
@@ -213,15 +213,19 @@ class LosslessMethod(Method):
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
         out, groups = {}, {}
         for name, rec in records.items():
-            if S.GROUP.descriptor in encoded.records[name]["pipeline"]:
-                raw = group_words(encoded, name, groups)
-            else:
-                raw = bytegroup.decompress(encoded.blob(name, "data"))
-            t = tensor_from_bytes(raw, rec.dtype, rec.shape)
-            if S.XOR.descriptor in encoded.records[name]["pipeline"]:
+            pipeline = encoded.records[name]["pipeline"]
+            p = None
+            if S.XOR.descriptor in pipeline:
                 p = reference.exact.get(name) if reference is not None else None
-                if p is None or p.shape != t.shape or p.dtype != t.dtype:
+                if p is None or p.shape != tuple(rec.shape) or p.dtype != torch_dtype(rec.dtype):
                     raise CorruptCheckpointError(f"record {name!r} is an XOR delta but its parent lacks it")
-                t = torch.bitwise_xor(_bits(t), _bits(p)).view(t.dtype)
+            if S.GROUP.descriptor in pipeline:
+                t = tensor_from_bytes(group_words(encoded, name, groups), rec.dtype, rec.shape)
+                if p is not None:
+                    _bits(t).bitwise_xor_(_bits(p))
+            else:  # the parent's bits XORed in as the planes are merged: no pass or copy of its own
+                prev = None if p is None else to_numpy_bits(p).view(f"u{p.element_size()}")
+                t = tensor_from_words(bytegroup.decompress_words(encoded.blob(name, "data"), prev),
+                                      rec.dtype, rec.shape)
             out[name] = t
         return out, LosslessReference(ctx.step, dict(out))
