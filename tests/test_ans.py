@@ -112,6 +112,33 @@ def test_varints_vectorized_match_scalar():
         S.ByteReader(b"\x80" * 11, "test").varint()
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+def test_alphabet_and_varint_readers_equal_the_numpy_reference(monkeypatch, kernel):
+    """The numba readers (varints, alphabet) give the numpy reference's values and refuse the same
+    buffers: truncated, over-long or 2**64 varints, alphabets past int64."""
+    if not kernel:
+        monkeypatch.setattr(S, "_numba", None)
+    top, bottom = (1 << 63) - 1, -(1 << 63)
+    rng = np.random.default_rng(3)
+    for values in ([0], [-5, 7], [bottom, bottom + 1, 0, top], sorted(rng.choice(1 << 40, 300, replace=False) - (1 << 39)),
+                   list(range(-20, 20))):
+        values = np.array(values, dtype=np.int64)
+        r = S.ByteReader(S.pack_alphabet(values) + b"!", "test")
+        assert S.read_alphabet(r, len(values)).tolist() == values.tolist()
+        assert r.u8() == ord("!")
+    over = bytearray()
+    S.write_varint(over, S.zigzag(top - 1))
+    for gaps in ([1], [0, 0], [(1 << 64) - 1]):  # top - 1 + 2 (or more) passes int64
+        buf = bytes(over) + S.pack_varints(np.array(gaps, dtype=np.uint64))
+        with pytest.raises(CorruptCheckpointError, match="overflows int64"):
+            S.read_alphabet(S.ByteReader(buf, "test"), len(gaps) + 1)
+    for bad in (b"\x80" * 10 + b"\x00", b"\xff" * 9 + b"\x02", b"\x01\x80"):  # over-long, 2**64, truncated
+        with pytest.raises(CorruptCheckpointError):
+            S.ByteReader(bad * 20, "test").varints(40)
+    many = rng.integers(0, 1 << 63, 50, dtype=np.uint64)
+    assert S.ByteReader(S.pack_varints(many), "test").varints(50).tolist() == many.tolist()
+
+
 def test_stream_under_the_naive_size_bound_decodes():
     """A real 8192-symbol sign stream (an Adam exp_avg's 1-bit direction codes) that constriction
     stores in 96 bits fewer than n * -log2(max p): the decoder's size guard must allow for the

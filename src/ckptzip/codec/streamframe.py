@@ -123,22 +123,36 @@ class ByteReader:
         return self.take(1)[0]
 
     def varint(self) -> int:
+        mv, pos = self.mv, self.pos  # the bytes read in place: a record's header holds dozens
         value = shift = 0
-        for _ in range(10):
-            b = self.u8()
+        for i in range(pos, min(pos + 10, len(mv))):
+            b = mv[i]
             value |= (b & 0x7F) << shift
             if b < 0x80:
                 if value >= 1 << 64:
                     break
+                self.pos = i + 1
                 return value
             shift += 7
+        else:
+            if len(mv) - pos < 10:
+                raise CorruptCheckpointError(f"{self.what} is truncated (wanted 1 bytes at offset {len(mv)})")
         raise CorruptCheckpointError(f"{self.what} holds a malformed varint at offset {self.pos}")
 
     def varints(self, count: int) -> np.ndarray:
-        """``count`` varints -> uint64 array (vectorized; a plain loop for short lists, as in
-        ``pack_varints``: a code stream's alphabet and counts are a few values each)."""
+        """``count`` varints -> uint64 array (one numba pass; without numba, vectorized numpy, or a
+        plain loop for short lists, as in ``pack_varints``)."""
         if count == 0:
             return np.zeros(0, dtype=np.uint64)
+        if _numba is not None:
+            out = np.empty(count, dtype=np.uint64)
+            end = _varints_kernel(np.frombuffer(self.mv, dtype=np.uint8), self.pos, out)
+            if end == -1:
+                raise CorruptCheckpointError(f"{self.what} is truncated inside a list of {count} varints")
+            if end < 0:
+                raise CorruptCheckpointError(f"{self.what} holds a malformed varint in a list of {count}")
+            self.pos = end
+            return out
         if count <= 16:
             return np.array([self.varint() for _ in range(count)], dtype=np.uint64)
         window = np.frombuffer(self.mv[self.pos:self.pos + 10 * count], dtype=np.uint8)
@@ -220,6 +234,11 @@ def read_alphabet(r: ByteReader, k: int) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     first = unzigzag(r.varint())
     gaps = r.varints(k - 1)
+    if _numba is not None and -(1 << 63) <= first < 1 << 63:
+        out = np.empty(k, dtype=np.int64)
+        if not _alphabet_kernel(first, gaps, out):
+            raise CorruptCheckpointError(f"{r.what} alphabet overflows int64")
+        return out
     if not -(1 << 63) <= first < 1 << 63 or (gaps.size and int(gaps.max()) >= 1 << 63):
         raise CorruptCheckpointError(f"{r.what} alphabet overflows int64")
     steps = np.cumsum(gaps + np.uint64(1), dtype=np.uint64)   # offsets from the first value
@@ -308,6 +327,42 @@ if _numba is not None:
             c[0, sym[i] - lo] += 1
         for j in range(k):
             cnt[j] += c[0, j] + c[1, j] + c[2, j] + c[3, j]
+
+    @_numba.njit(cache=True, nogil=True)
+    def _varints_kernel(buf, pos, out):  # pragma: no cover - compiled
+        """out.size varints from buf[pos:] -> the position after them; -1: truncated, -2: malformed
+        (over 10 bytes, or a value of 2**64 or more)."""
+        n = buf.shape[0]
+        for j in range(out.shape[0]):
+            value = np.uint64(0)
+            for i in range(11):
+                if i == 10:
+                    return -2
+                if pos >= n:
+                    return -1
+                b = np.uint64(buf[pos])
+                pos += 1
+                if i == 9 and b > 1:  # the tenth byte holds bit 63 only
+                    return -2
+                value |= (b & np.uint64(0x7F)) << np.uint64(7 * i)
+                if b < 0x80:
+                    break
+            out[j] = value
+        return pos
+
+    @_numba.njit(cache=True, nogil=True)
+    def _alphabet_kernel(first, gaps, out):  # pragma: no cover - compiled
+        """out = first, then each value the last plus its gap plus one -> False if one passes int64
+        (uint64 arithmetic: the room left above a value always fits)."""
+        prev = np.int64(first)
+        out[0] = prev
+        for i in range(gaps.shape[0]):
+            g = gaps[i]
+            if g >= np.uint64(0x7FFFFFFFFFFFFFFF) - np.uint64(prev):
+                return False
+            prev = np.int64(np.uint64(prev) + g + np.uint64(1))
+            out[i + 1] = prev
+        return True
 
     @_numba.njit(cache=True, nogil=True)
     def _index_kernel(sym, lo, lut, out):  # pragma: no cover - compiled
