@@ -1,6 +1,8 @@
 """CPU time of a method's encode and decode with its system time and page faults, beside zstd-3
 (issue 15, "Narrow code streams" in docs/BENCHMARKS.md). A fresh page costs microseconds on a VM:
-``getrusage(RUSAGE_THREAD)`` splits the thread's CPU into user and sys and counts minor faults.
+``getrusage(RUSAGE_THREAD)`` splits the thread's CPU into user and sys and counts minor faults; a
+decode's peak extra memory (VmHWM over the RSS before it, reset per decode) is given as a multiple
+of the state's bytes (the larger of the two checkpoints).
 
 Two GPT-2 124M checkpoints (bench/speed.py's ``gpt2_states``), trained once and kept in --states so
 that builds compare over the same bytes, one process per build (PYTHONPATH picks the build):
@@ -47,6 +49,10 @@ def main() -> None:
     def add(acc, a, b):
         return [x + (y - z) for x, y, z in zip(acc, b, a)]
 
+    def status(key):  # bytes of a /proc/self/status line (VmRSS, VmHWM)
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith(key))
+
     cz, z = zstandard.ZstdCompressor(level=3), [0.0, 0.0, 0]
     for s in states:
         raw = raw_bytes(s)
@@ -55,19 +61,24 @@ def main() -> None:
         z = add(z, a, usage())
         del raw
     enc_m, dec_m = get_method(args.method), get_method(args.method)
-    e, d, ref, dref = [0.0, 0.0, 0], [0.0, 0.0, 0], None, None
+    e, d, ref, dref, peak = [0.0, 0.0, 0], [0.0, 0.0, 0], None, None, 0.0
     for i, s in enumerate(states):
         a = usage()
         flat = flatten_state(s)
         enc, ref = enc_m.encode(flat, ref, ctx=EncodeContext(step=i + 1))
         e = add(e, a, usage())
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM from here: the decode's own peak
+        base = status("VmRSS")
         a = usage()
         out, dref = dec_m.decode(flat.records, enc, dref, ctx=DecodeContext(step=i + 1, device="cpu"))
         d = add(d, a, usage())
+        peak = max(peak, (status("VmHWM") - base) / sum(t.numel() * t.element_size() for t in flat.tensors.values()))
         del enc, flat, out
         gc.collect()
     print(f"{args.method}: encode CPU {e[0]:.2f} s (sys {e[1]:.2f}, faults {e[2]}), decode CPU {d[0]:.2f} s "
-          f"(sys {d[1]:.2f}, faults {d[2]}); zstd-3 CPU {z[0]:.2f} s (sys {z[1]:.2f}); encode x zstd-3 {e[0] / z[0]:.2f}")
+          f"(sys {d[1]:.2f}, faults {d[2]}, peak extra {peak:.2f}x the state); zstd-3 CPU {z[0]:.2f} s "
+          f"(sys {z[1]:.2f}); encode x zstd-3 {e[0] / z[0]:.2f}")
     if args.keyframe:
         keyframes(args.method, states)
 

@@ -154,3 +154,29 @@ def test_moment_batches_do_not_change_the_records(digits_snapshots, monkeypatch)
         b = split[name]
         assert a.meta == b.meta and torch.equal(a.q.codes, b.q.codes)
         assert all(torch.equal(a.q.side[k], b.q.side[k]) for k in a.q.side)
+
+
+def test_each_denominator_is_released_after_its_direction(tmp_path, digits_snapshots, monkeypatch):
+    """A restore keeps a v's float32 denominator only until the m that scales by it is decoded (m
+    comes first in Adam's state): when a v is decoded, no earlier v's denominator is alive."""
+    import gc
+    import weakref
+
+    torch.set_num_threads(1)
+    m, flat, enc = _file(tmp_path, digits_snapshots)
+    alive, seen = [], []
+    real = M.decode_denominator
+
+    def tracked(*a, **k):
+        gc.collect()
+        alive.append(sum(r() is not None for r in seen))
+        D = real(*a, **k)
+        seen.append(weakref.ref(D))
+        return D
+
+    monkeypatch.setattr(M, "decode_denominator", tracked)
+    out, _ = m.decode(flat.records, enc, None, ctx=DecodeContext(step=1))
+    assert len(seen) >= 2 and alive == [0] * len(seen)
+    monkeypatch.setattr(M, "decode_denominator", real)
+    ref_out, _ = m.decode(flat.records, enc, None, ctx=DecodeContext(step=1))
+    assert list(out) == list(ref_out) and all(torch.equal(out[n], ref_out[n]) for n in out)

@@ -39,6 +39,7 @@ Call order (methods/quantizing.py)::
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -262,11 +263,28 @@ def quantize_normalized(state: FlatState, config: MomentConfig) -> dict[str, Qua
 def decode_moments(encoded: Encoded, records: Mapping[str, TensorRecord], prev: MomentReference | None,
                    out: dict[str, torch.Tensor], deltas: bool,
                    weight_shapes: Mapping[str, tuple] | None = None) -> MomentReference | None:
-    """Decode every moment record of ``records`` into ``out``: v records first, then the m records
-    their denominators scale. ``deltas``: MomentConfig.deltas for this method (whether the next
+    """Decode every moment record of ``records`` into ``out``: each m record as soon as the v record
+    whose denominator scales it is decoded (out keeps record order). ``deltas``: MomentConfig.deltas for this method (whether the next
     file's moments are deltas against this one); ``weight_shapes``: parameter -> its weight's shape,
     to refuse a moment record inconsistent with its weight."""
     codes, grid_v, pending = {}, {}, []
+    # a v record's (D, levels) is kept only until the last direction record that names it is decoded
+    # (each m right after its v, or at once when its v came first): holding every v's float32 D to
+    # the end was 4 bytes an element of every exp_avg_sq at the restore's peak
+    users, waiting, directions = Counter(), {}, {}
+    for name in records:
+        r = encoded.records[name]
+        if r["pipeline"][0] == S.MOMENT_DIRECTION.descriptor and isinstance(r["meta"].get("v"), str):
+            users[r["meta"]["v"]] += 1
+
+    def direction(name: str, rec: TensorRecord) -> None:
+        v = encoded.records[name]["meta"].get("v")
+        directions[name] = _load_direction(encoded, name, rec, grid_v)
+        if isinstance(v, str) and users[v]:
+            users[v] -= 1
+            if not users[v]:
+                grid_v.pop(v, None)
+
     for name, rec in records.items():
         shape = (weight_shapes or {}).get(rec.param)
         if shape is not None and tuple(shape) != tuple(rec.shape):
@@ -276,8 +294,15 @@ def decode_moments(encoded: Encoded, records: Mapping[str, TensorRecord], prev: 
         parent = prev.codes.get(name) if prev is not None else None
         if marker == S.MOMENT_GRID.descriptor:
             out[name], grid_v[name], codes[name] = _load_v(encoded, name, rec, parent)
+            for m in waiting.pop(name, ()):
+                direction(*m)
         elif marker == S.MOMENT_DIRECTION.descriptor:
             pending.append((name, rec))
+            v = encoded.records[name]["meta"].get("v")
+            if isinstance(v, str) and v not in grid_v:
+                waiting.setdefault(v, []).append((name, rec))
+            else:
+                direction(name, rec)
         else:  # codec "normalized": the method's M.2 record
             meta = encoded.records[name]["meta"]
             # a normalized exp_avg decodes to u in fp32 first, then m = u * denominator(v)
@@ -290,9 +315,9 @@ def decode_moments(encoded: Encoded, records: Mapping[str, TensorRecord], prev: 
                 pending.append((name, rec))
             if deltas:
                 codes[name] = qrecord.Codes(qrecord.compact(q.codes, q.n_levels), q.n_levels)
-    for name, rec in pending:
+    for name, rec in pending:  # in record order, as before; a direction whose v never came raises here
         if encoded.records[name]["pipeline"][0] == S.MOMENT_DIRECTION.descriptor:
-            out[name] = _load_direction(encoded, name, rec, grid_v)
+            out[name] = directions.pop(name) if name in directions else _load_direction(encoded, name, rec, grid_v)
         else:
             out[name] = _denormalize(encoded, name, rec, out)
     return MomentReference(codes) if deltas else None
