@@ -17,8 +17,8 @@ reference. Both are standard zstd frames: the reader does not know which wrote t
 Speed: splitting words into planes (and, for a delta, XOR with the previous words, and with
 ``advance`` the store of the new words over them) is one numba pass (``backend="auto"``); the numpy
 reference below gives the same planes (tests compare). The same for the merge on decompress, with a
-parent's words XORed back in (:func:`decompress_words`). Widths 2 and 4 (fp16/bf16, fp32) have a
-loop per case: a branch per word kept the one generic loop from vectorizing (30-40 % slower).
+parent's words XORed back in (:func:`decompress_words`). Each word width has its own kernels with a
+loop per case (:func:`_kernels`): a branch per word kept one generic loop from vectorizing.
 """
 from __future__ import annotations
 
@@ -59,18 +59,15 @@ def split_planes(words: np.ndarray, rotate: bool, prev: np.ndarray | None = None
         advance = False
     if _use_numba(backend):
         out = np.empty((width, words.size), dtype=np.uint8) if out is None else out
-        kernel = _SPLIT_KERNELS.get(width)
-        if kernel is not None:  # a loop per case (a branch per word kept them from vectorizing)
-            if advance:  # the store fused into the split (its own kernel: a read-only prev compiles none)
-                kernel[1](words, prev, rotate, out)
-            else:
-                kernel[0](words, prev if prev is not None else words[:0], rotate, out)
-            return out
-        _split_kernel(words, prev if prev is not None else words[:0], rotate, out)
-    else:
-        x = words ^ prev if prev is not None else words
-        x = _rotl1(x, 8 * width) if rotate else x
-        out = np.ascontiguousarray(x.view(np.uint8).reshape(-1, width)[:, ::-1].T)
+        split, fused, _ = _KERNELS[width]
+        if advance:  # the store in the split's pass (a kernel of its own: a read-only prev compiles none)
+            fused(words, prev, rotate, out)
+        else:
+            split(words, prev if prev is not None else words[:0], rotate, out)
+        return out
+    x = words ^ prev if prev is not None else words
+    x = _rotl1(x, 8 * width) if rotate else x
+    out = np.ascontiguousarray(x.view(np.uint8).reshape(-1, width)[:, ::-1].T)
     if advance:
         prev[:] = words
     return out
@@ -82,14 +79,10 @@ def merge_planes(planes: np.ndarray, rotate: bool, dtype, *, backend: str = "aut
     order), XORed with ``prev`` (n words of ``dtype``) last when given, in the same pass."""
     if _use_numba(backend):
         out = np.empty(planes.shape[1], dtype=dtype)
-        kernel = _MERGE_KERNELS.get(planes.shape[0])
-        if kernel is not None:  # a loop per case, as the split's
-            kernel(planes, rotate, prev if prev is not None else out[:0], out)
-            return out
-        _merge_kernel(planes, rotate, out)
-    else:
-        out = np.ascontiguousarray(planes[::-1].T).view(dtype).reshape(-1)
-        out = _rotr1(out, 8 * planes.shape[0]) if rotate else out
+        _KERNELS[planes.shape[0]][2](planes, rotate, prev if prev is not None else out[:0], out)
+        return out
+    out = np.ascontiguousarray(planes[::-1].T).view(dtype).reshape(-1)
+    out = _rotr1(out, 8 * planes.shape[0]) if rotate else out
     if prev is not None:
         np.bitwise_xor(out, prev, out=out)
     return out
@@ -228,177 +221,83 @@ def _use_numba(backend: str) -> bool:
     return _numba is not None and backend != "numpy"
 
 
-if _numba is not None:
-    # arithmetic in uint64: numba would type a uint32 shifted by an int64 as float64
-    @_numba.njit(cache=True, nogil=True, inline="always")
-    def _prep(w, p, xor, rotate, top, mask):  # pragma: no cover - compiled
-        w = np.uint64(w) ^ (np.uint64(p) if xor else np.uint64(0))
-        return ((w << np.uint64(1)) | (w >> top)) & mask if rotate else w
+def _kernels(width: int):
+    """(split, split with the store of ``advance``, merge) for words of ``width`` bytes. One set per
+    width, each with a loop per case (XOR or not, rotated or not): a test of the width, the XOR or
+    the rotation per word kept the one generic loop from vectorizing (30-40 % slower). Arithmetic in
+    uint64: numba would type a uint32 shifted by an int64 as float64."""
+    W = width
+    top, one = np.uint64(8 * W - 1), np.uint64(1)
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * W)
+
+    @_numba.njit(inline="always")
+    def put(o, i, v):  # pragma: no cover - compiled
+        for b in range(W):
+            o[b, i] = np.uint8((v >> np.uint64(8 * (W - 1 - b))) & np.uint64(0xFF))
+
+    @_numba.njit(inline="always")
+    def get(p, i):  # pragma: no cover - compiled
+        v = np.uint64(0)
+        for b in range(W):
+            v = (v << np.uint64(8)) | np.uint64(p[b, i])
+        return v
+
+    @_numba.njit(inline="always")
+    def rotl(v):  # pragma: no cover - compiled
+        return ((v << one) | (v >> top)) & mask
+
+    @_numba.njit(inline="always")
+    def rotr(v):  # pragma: no cover - compiled
+        return ((v >> one) | (v << top)) & mask
 
     @_numba.njit(cache=True, nogil=True)
-    def _split_kernel(words, prev, rotate, out):  # pragma: no cover - compiled
-        width = out.shape[0]
-        top = np.uint64(8 * width - 1)
-        mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
-        xor = prev.shape[0] == words.shape[0]
-        n = words.shape[0]
-        for i in range(n):  # widths 2 and 4 have their own kernels (_SPLIT_KERNELS)
-            w = _prep(words[i], prev[i] if xor else words[i], xor, rotate, top, mask)
-            for b in range(width):
-                out[width - 1 - b, i] = np.uint8((w >> np.uint64(8 * b)) & np.uint64(0xFF))
-
-    @_numba.njit(cache=True, nogil=True, inline="always")
-    def _put4(o, i, v):  # pragma: no cover - compiled
-        o[0, i] = np.uint8(v >> np.uint64(24))
-        o[1, i] = np.uint8((v >> np.uint64(16)) & np.uint64(0xFF))
-        o[2, i] = np.uint8((v >> np.uint64(8)) & np.uint64(0xFF))
-        o[3, i] = np.uint8(v & np.uint64(0xFF))
-
-    @_numba.njit(cache=True, nogil=True, inline="always")
-    def _rot4(v):  # pragma: no cover - compiled
-        return ((v << np.uint64(1)) | (v >> np.uint64(31))) & np.uint64(0xFFFFFFFF)
-
-    @_numba.njit(cache=True, nogil=True)
-    def _split4(words, prev, rotate, out):  # pragma: no cover - compiled
-        n = words.shape[0]
-        if prev.shape[0] != n:
-            if rotate:
-                for i in range(n):
-                    _put4(out, i, _rot4(np.uint64(words[i])))
-            else:
-                for i in range(n):
-                    _put4(out, i, np.uint64(words[i]))
-        else:
-            if rotate:
-                for i in range(n):
-                    _put4(out, i, _rot4(np.uint64(words[i] ^ prev[i])))
-            else:
-                for i in range(n):
-                    _put4(out, i, np.uint64(words[i] ^ prev[i]))
-
-    @_numba.njit(cache=True, nogil=True)
-    def _advance4(words, prev, rotate, out):  # pragma: no cover - compiled
-        n = words.shape[0]
-        if rotate:
-            for i in range(n):
-                w = words[i]
-                _put4(out, i, _rot4(np.uint64(w ^ prev[i])))
-                prev[i] = w
-        else:
-            for i in range(n):
-                w = words[i]
-                _put4(out, i, np.uint64(w ^ prev[i]))
-                prev[i] = w
-
-    @_numba.njit(cache=True, nogil=True, inline="always")
-    def _put2(o, i, v):  # pragma: no cover - compiled
-        o[0, i] = np.uint8(v >> np.uint64(8))
-        o[1, i] = np.uint8(v & np.uint64(0xFF))
-
-    @_numba.njit(cache=True, nogil=True, inline="always")
-    def _rot2(v):  # pragma: no cover - compiled
-        return ((v << np.uint64(1)) | (v >> np.uint64(15))) & np.uint64(0xFFFF)
-
-    @_numba.njit(cache=True, nogil=True)
-    def _split2(words, prev, rotate, out):  # pragma: no cover - compiled
+    def split(words, prev, rotate, out):  # pragma: no cover - compiled
         n = words.shape[0]
         if prev.shape[0] != n:
             if rotate:
                 for i in range(n):
-                    _put2(out, i, _rot2(np.uint64(words[i])))
+                    put(out, i, rotl(np.uint64(words[i])))
             else:
                 for i in range(n):
-                    _put2(out, i, np.uint64(words[i]))
+                    put(out, i, np.uint64(words[i]))
+        elif rotate:
+            for i in range(n):
+                put(out, i, rotl(np.uint64(words[i] ^ prev[i])))
         else:
-            if rotate:
-                for i in range(n):
-                    _put2(out, i, _rot2(np.uint64(words[i] ^ prev[i])))
-            else:
-                for i in range(n):
-                    _put2(out, i, np.uint64(words[i] ^ prev[i]))
+            for i in range(n):
+                put(out, i, np.uint64(words[i] ^ prev[i]))
 
     @_numba.njit(cache=True, nogil=True)
-    def _advance2(words, prev, rotate, out):  # pragma: no cover - compiled
-        n = words.shape[0]
+    def fused(words, prev, rotate, out):  # pragma: no cover - compiled
         if rotate:
-            for i in range(n):
+            for i in range(words.shape[0]):
                 w = words[i]
-                _put2(out, i, _rot2(np.uint64(w ^ prev[i])))
+                put(out, i, rotl(np.uint64(w ^ prev[i])))
                 prev[i] = w
         else:
-            for i in range(n):
+            for i in range(words.shape[0]):
                 w = words[i]
-                _put2(out, i, np.uint64(w ^ prev[i]))
+                put(out, i, np.uint64(w ^ prev[i]))
                 prev[i] = w
 
-    _SPLIT_KERNELS = {4: (_split4, _advance4), 2: (_split2, _advance2)}
-
-    @_numba.njit(cache=True, nogil=True, inline="always")
-    def _get4(p, i):  # pragma: no cover - compiled
-        return (np.uint64(p[0, i]) << np.uint64(24)) | (np.uint64(p[1, i]) << np.uint64(16)) \
-            | (np.uint64(p[2, i]) << np.uint64(8)) | np.uint64(p[3, i])
-
-    @_numba.njit(cache=True, nogil=True, inline="always")
-    def _rotr4(v):  # pragma: no cover - compiled
-        return ((v >> np.uint64(1)) | (v << np.uint64(31))) & np.uint64(0xFFFFFFFF)
-
     @_numba.njit(cache=True, nogil=True)
-    def _merge4(planes, rotate, prev, out):  # pragma: no cover - compiled
+    def merge(planes, rotate, prev, out):  # pragma: no cover - compiled
         n = out.shape[0]
         if prev.shape[0] != n:
             if rotate:
                 for i in range(n):
-                    out[i] = _rotr4(_get4(planes, i))
+                    out[i] = rotr(get(planes, i))
             else:
                 for i in range(n):
-                    out[i] = _get4(planes, i)
+                    out[i] = get(planes, i)
         elif rotate:
             for i in range(n):
-                out[i] = _rotr4(_get4(planes, i)) ^ np.uint64(prev[i])
+                out[i] = rotr(get(planes, i)) ^ np.uint64(prev[i])
         else:
             for i in range(n):
-                out[i] = _get4(planes, i) ^ np.uint64(prev[i])
+                out[i] = get(planes, i) ^ np.uint64(prev[i])
 
-    @_numba.njit(cache=True, nogil=True, inline="always")
-    def _get2(p, i):  # pragma: no cover - compiled
-        return (np.uint64(p[0, i]) << np.uint64(8)) | np.uint64(p[1, i])
+    return split, fused, merge
 
-    @_numba.njit(cache=True, nogil=True, inline="always")
-    def _rotr2(v):  # pragma: no cover - compiled
-        return ((v >> np.uint64(1)) | (v << np.uint64(15))) & np.uint64(0xFFFF)
 
-    @_numba.njit(cache=True, nogil=True)
-    def _merge2(planes, rotate, prev, out):  # pragma: no cover - compiled
-        n = out.shape[0]
-        if prev.shape[0] != n:
-            if rotate:
-                for i in range(n):
-                    out[i] = _rotr2(_get2(planes, i))
-            else:
-                for i in range(n):
-                    out[i] = _get2(planes, i)
-        elif rotate:
-            for i in range(n):
-                out[i] = _rotr2(_get2(planes, i)) ^ np.uint64(prev[i])
-        else:
-            for i in range(n):
-                out[i] = _get2(planes, i) ^ np.uint64(prev[i])
-
-    _MERGE_KERNELS = {4: _merge4, 2: _merge2}
-
-    @_numba.njit(cache=True, nogil=True)
-    def _merge_kernel(planes, rotate, out):  # pragma: no cover - compiled
-        width = planes.shape[0]
-        top = np.uint64(8 * width - 1)
-        mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
-        one = np.uint64(1)
-        for i in range(out.shape[0]):  # widths 2 and 4 have their own kernels (_MERGE_KERNELS)
-            w = np.uint64(0)
-            for b in range(width):
-                w = (w << np.uint64(8)) | np.uint64(planes[b, i])
-            if rotate:
-                w = ((w >> one) | (w << top)) & mask
-            out[i] = w
-else:  # pragma: no cover
-    _split_kernel = _merge_kernel = None
-    _SPLIT_KERNELS = _MERGE_KERNELS = {}
+_KERNELS = {w: _kernels(w) for w in _UINT} if _numba is not None else {}
