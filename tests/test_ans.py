@@ -120,8 +120,8 @@ def test_alphabet_and_varint_readers_equal_the_numpy_reference(monkeypatch, kern
         monkeypatch.setattr(S, "_numba", None)
     top, bottom = (1 << 63) - 1, -(1 << 63)
     rng = np.random.default_rng(3)
-    for values in ([0], [-5, 7], [bottom, bottom + 1, 0, top], sorted(rng.choice(1 << 40, 300, replace=False) - (1 << 39)),
-                   list(range(-20, 20))):
+    wide = sorted(rng.choice(1 << 40, 300, replace=False) - (1 << 39))
+    for values in ([0], [-5, 7], [bottom, bottom + 1, 0, top], wide, list(range(-20, 20))):
         values = np.array(values, dtype=np.int64)
         r = S.ByteReader(S.pack_alphabet(values) + b"!", "test")
         assert S.read_alphabet(r, len(values)).tolist() == values.tolist()

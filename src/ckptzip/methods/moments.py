@@ -263,10 +263,10 @@ def quantize_normalized(state: FlatState, config: MomentConfig) -> dict[str, Qua
 def decode_moments(encoded: Encoded, records: Mapping[str, TensorRecord], prev: MomentReference | None,
                    out: dict[str, torch.Tensor], deltas: bool,
                    weight_shapes: Mapping[str, tuple] | None = None) -> MomentReference | None:
-    """Decode every moment record of ``records`` into ``out``: each m record as soon as the v record
-    whose denominator scales it is decoded (out keeps record order). ``deltas``: MomentConfig.deltas for this method (whether the next
-    file's moments are deltas against this one); ``weight_shapes``: parameter -> its weight's shape,
-    to refuse a moment record inconsistent with its weight."""
+    """Decode every moment record of ``records`` into ``out`` (in record order): each m record as soon
+    as the v record whose denominator scales it is decoded. ``deltas``: MomentConfig.deltas for this
+    method (whether the next file's moments are deltas against this one); ``weight_shapes``:
+    parameter -> its weight's shape, to refuse a moment record inconsistent with its weight."""
     codes, grid_v, pending = {}, {}, []
     # a v record's (D, levels) is kept only until the last direction record that names it is decoded
     # (each m right after its v, or at once when its v came first): holding every v's float32 D to
