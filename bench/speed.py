@@ -39,6 +39,9 @@ zstd); the figures in docs/BENCHMARKS.md are to be re-run on a quiet machine.
 
 Run:  .venv/bin/python bench/speed.py                       (small chain, search, v0.1: ~5 min)
       .venv/bin/python bench/speed.py --only small,gpt2,memory,search,v01 --big-steps 2
+
+The build measured is the ``src`` beside this script (its child processes set PYTHONPATH to it,
+whatever the caller's): to compare two builds, run each checkout's own bench/speed.py.
 """
 from __future__ import annotations
 
