@@ -137,6 +137,8 @@ def test_alphabet_and_varint_readers_equal_the_numpy_reference(monkeypatch, kern
             S.ByteReader(bad * 20, "test").varints(40)
     many = rng.integers(0, 1 << 63, 50, dtype=np.uint64)
     assert S.ByteReader(S.pack_varints(many), "test").varints(50).tolist() == many.tolist()
+    with pytest.raises(CorruptCheckpointError, match="truncated"):  # a corrupt count: no terabyte array
+        S.ByteReader(S.pack_varints(many), "test").varints(1 << 40)
 
 
 def test_stream_under_the_naive_size_bound_decodes():

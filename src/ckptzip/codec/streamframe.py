@@ -144,6 +144,8 @@ class ByteReader:
         plain loop for short lists, as in ``pack_varints``)."""
         if count == 0:
             return np.zeros(0, dtype=np.uint64)
+        if count > len(self.mv) - self.pos:  # a varint takes a byte at least: refused before allocating
+            raise CorruptCheckpointError(f"{self.what} is truncated inside a list of {count} varints")
         if _numba is not None:
             out = np.empty(count, dtype=np.uint64)
             end = _varints_kernel(np.frombuffer(self.mv, dtype=np.uint8), self.pos, out)
