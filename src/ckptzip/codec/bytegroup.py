@@ -221,34 +221,38 @@ def _use_numba(backend: str) -> bool:
     return _numba is not None and backend != "numpy"
 
 
-def _kernels(width: int):
-    """(split, split with the store of ``advance``, merge) for words of ``width`` bytes. One set per
-    width, each with a loop per case (XOR or not, rotated or not): a test of the width, the XOR or
-    the rotation per word kept the one generic loop from vectorizing (30-40 % slower). Arithmetic in
-    uint64: numba would type a uint32 shifted by an int64 as float64."""
-    W = width
-    top, one = np.uint64(8 * W - 1), np.uint64(1)
-    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * W)
-
+if _numba is not None:  # word helpers; W (bytes a word) is a constant of each kernel below, so these unroll
     @_numba.njit(inline="always")
-    def put(o, i, v):  # pragma: no cover - compiled
+    def _put(o, i, v, W):  # pragma: no cover - compiled
         for b in range(W):
             o[b, i] = np.uint8((v >> np.uint64(8 * (W - 1 - b))) & np.uint64(0xFF))
 
     @_numba.njit(inline="always")
-    def get(p, i):  # pragma: no cover - compiled
+    def _get(p, i, W):  # pragma: no cover - compiled
         v = np.uint64(0)
         for b in range(W):
             v = (v << np.uint64(8)) | np.uint64(p[b, i])
         return v
 
     @_numba.njit(inline="always")
-    def rotl(v):  # pragma: no cover - compiled
-        return ((v << one) | (v >> top)) & mask
+    def _rotl(v, W):  # pragma: no cover - compiled
+        mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * W)
+        return ((v << np.uint64(1)) | (v >> np.uint64(8 * W - 1))) & mask
 
     @_numba.njit(inline="always")
-    def rotr(v):  # pragma: no cover - compiled
-        return ((v >> one) | (v << top)) & mask
+    def _rotr(v, W):  # pragma: no cover - compiled
+        mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * W)
+        return ((v >> np.uint64(1)) | (v << np.uint64(8 * W - 1))) & mask
+
+
+def _kernels(width: int):
+    """(split, split with the store of ``advance``, merge) for words of ``width`` bytes. One set per
+    width, each with a loop per case (XOR or not, rotated or not): a test of the width, the XOR or
+    the rotation per word kept the one generic loop from vectorizing (30-40 % slower). Arithmetic in
+    uint64: numba would type a uint32 shifted by an int64 as float64. The kernels close over the
+    width alone (an int): numba's cache key hashes a closure's values, and a closure over other
+    compiled functions missed the cache in every new process."""
+    W = width
 
     @_numba.njit(cache=True, nogil=True)
     def split(words, prev, rotate, out):  # pragma: no cover - compiled
@@ -256,28 +260,28 @@ def _kernels(width: int):
         if prev.shape[0] != n:
             if rotate:
                 for i in range(n):
-                    put(out, i, rotl(np.uint64(words[i])))
+                    _put(out, i, _rotl(np.uint64(words[i]), W), W)
             else:
                 for i in range(n):
-                    put(out, i, np.uint64(words[i]))
+                    _put(out, i, np.uint64(words[i]), W)
         elif rotate:
             for i in range(n):
-                put(out, i, rotl(np.uint64(words[i] ^ prev[i])))
+                _put(out, i, _rotl(np.uint64(words[i] ^ prev[i]), W), W)
         else:
             for i in range(n):
-                put(out, i, np.uint64(words[i] ^ prev[i]))
+                _put(out, i, np.uint64(words[i] ^ prev[i]), W)
 
     @_numba.njit(cache=True, nogil=True)
     def fused(words, prev, rotate, out):  # pragma: no cover - compiled
         if rotate:
             for i in range(words.shape[0]):
                 w = words[i]
-                put(out, i, rotl(np.uint64(w ^ prev[i])))
+                _put(out, i, _rotl(np.uint64(w ^ prev[i]), W), W)
                 prev[i] = w
         else:
             for i in range(words.shape[0]):
                 w = words[i]
-                put(out, i, np.uint64(w ^ prev[i]))
+                _put(out, i, np.uint64(w ^ prev[i]), W)
                 prev[i] = w
 
     @_numba.njit(cache=True, nogil=True)
@@ -286,16 +290,16 @@ def _kernels(width: int):
         if prev.shape[0] != n:
             if rotate:
                 for i in range(n):
-                    out[i] = rotr(get(planes, i))
+                    out[i] = _rotr(_get(planes, i, W), W)
             else:
                 for i in range(n):
-                    out[i] = get(planes, i)
+                    out[i] = _get(planes, i, W)
         elif rotate:
             for i in range(n):
-                out[i] = rotr(get(planes, i)) ^ np.uint64(prev[i])
+                out[i] = _rotr(_get(planes, i, W), W) ^ np.uint64(prev[i])
         else:
             for i in range(n):
-                out[i] = get(planes, i) ^ np.uint64(prev[i])
+                out[i] = _get(planes, i, W) ^ np.uint64(prev[i])
 
     return split, fused, merge
 
