@@ -54,7 +54,7 @@ def test_chunked_grid_codes_equal_one_pass(adam_pair, monkeypatch):
     and with one eps per element, and the reference's where the kernel gives up."""
     m, v, hp = adam_pair
     vf, mf = v.reshape(-1).float(), m.reshape(-1).float()
-    D = M._denominator(vf, hp)
+    D = M._denominator(vf, hp.bc2, hp.eps)
     per_element = torch.full_like(vf, hp.eps)
     want = {k: M._grid_codes(vf, D, e, 0.5, mf) for k, e in (("eps", hp.eps), ("per element", per_element))}
     monkeypatch.setattr(M, "_CHUNK", 1024)
@@ -75,7 +75,7 @@ def test_chunked_sign_direction_equals_one_pass(adam_pair, monkeypatch, prune, n
     codes, scales and meta of the one-pass batch path (forced here by a small chunk)."""
     m, v, hp = adam_pair
     mf = m.reshape(-1).float()
-    D = M._denominator(v.reshape(-1).float(), hp) if normalized else None
+    D = M._denominator(v.reshape(-1).float(), hp.bc2, hp.eps) if normalized else None
     want = M._quantize_ms(mf, D, [m], bits=1, group=256, prune=prune)[0]
     monkeypatch.setattr(M, "_CHUNK", 1024)  # 4 rows of 256 a chunk; the tensor is over the chunk size
     assert mf.numel() > 1024 and mf.numel() % 256 == 0

@@ -83,11 +83,12 @@ def _f32(x: torch.Tensor, name: str) -> torch.Tensor:
 
 def denominator(v: torch.Tensor, hp: AdamHP) -> torch.Tensor:
     """D = sqrt(v / (1 - beta2^t)) + eps, flat fp32."""
-    return _denominator(_f32(v, "exp_avg_sq"), hp)
+    return _denominator(_f32(v, "exp_avg_sq"), hp.bc2, hp.eps)
 
 
-def _denominator(vf: torch.Tensor, hp: AdamHP) -> torch.Tensor:
-    return vf.clamp_min(0).div_(hp.bc2).sqrt_().add_(hp.eps)  # in place on one copy: one fresh buffer, not two
+def _denominator(vf: torch.Tensor, bc2: float | torch.Tensor, eps: float | torch.Tensor) -> torch.Tensor:
+    """D of flat fp32 ``vf``; ``bc2`` and ``eps`` scalars or one per element (a batch of tensors)."""
+    return vf.clamp_min(0).div_(bc2).sqrt_().add_(eps)  # in place on one copy: one fresh buffer, not two
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,7 +113,8 @@ def _as_2d(shape) -> tuple[int, int] | None:
 def grid_codes(v: torch.Tensor, hp: AdamHP, step: float, m: torch.Tensor | None = None) -> torch.Tensor:
     """Absolute grid codes c = round(log2(D / eps) / step), int64 flat; 0 only for v == 0 == m."""
     vf = _f32(v, "exp_avg_sq")
-    return _grid_codes(vf, _denominator(vf, hp), hp.eps, step, None if m is None else _f32(m, "exp_avg"))[0].long()
+    mf = None if m is None else _f32(m, "exp_avg")
+    return _grid_codes(vf, _denominator(vf, hp.bc2, hp.eps), hp.eps, step, mf)[0].long()
 
 
 def _grid_codes(vf: torch.Tensor, D: torch.Tensor, eps: float | torch.Tensor, step: float, mf: torch.Tensor | None
@@ -153,7 +155,7 @@ def quantize_v(v: torch.Tensor, hp: AdamHP, *, step: float = 0.5, factored: bool
                m: torch.Tensor | None = None) -> QuantizedTensor:
     """v (exp_avg_sq) -> grid codes (factored: zigzag residuals, int16 side ``row``/``col``)."""
     vf = _f32(v, "exp_avg_sq")
-    c, top = _grid_codes(vf, _denominator(vf, hp), hp.eps, step, None if m is None else _f32(m, "exp_avg"))
+    c, top = _grid_codes(vf, _denominator(vf, hp.bc2, hp.eps), hp.eps, step, None if m is None else _f32(m, "exp_avg"))
     return _grid_record(c, v, step, factored, top)
 
 
@@ -295,12 +297,12 @@ def _quantize_ms(mf: torch.Tensor, D: torch.Tensor | None, ms: list[torch.Tensor
     a = ug.abs() if prune > 0 or bits == 1 else None  # |u|, padded
     if prune > 0 and ug.numel():  # per tensor, from a strided sample of its own |u|
         flat = a.reshape(-1)
-        cuts = torch.stack([_quantile(flat[at:at + n:max(1, n // 65536)], prune) if n else flat.new_zeros(())
+        cuts = torch.stack([_quantile(flat[at:at + n:_cut_stride(n)], prune) if n else flat.new_zeros(())
                             for at, n in zip(starts, ns)])
         cut = torch.cat([c.expand(r) for c, r in zip(cuts, rows)])[:, None]
     if bits == 1:  # sign: the L2-optimal scale of a group is the mean |u| of what it keeps
         keep = a > cut if cut is not None else torch.ones_like(ug, dtype=torch.bool)
-        s = a.mul_(keep).sum(1) / keep.sum(1).clamp_min(1)  # |u| of what is kept: a is not read again
+        s = _kept_mean(a, keep)
     else:
         s = ug.square().sum(1).div_(torch.full_like(ug[:, 0], group)).sqrt_()
         for at, end, n, pad in zip(_offsets(ns), starts[1:], ns, pads):
@@ -327,6 +329,16 @@ def _quantize_ms(mf: torch.Tensor, D: torch.Tensor | None, ms: list[torch.Tensor
                     prune=prune, normalized=D is not None)
 
 
+def _cut_stride(n: int) -> int:
+    """The step of the strided sample of |u| a tensor of ``n`` elements takes its prune cut from (~65536)."""
+    return max(1, n // 65536)
+
+
+def _kept_mean(a: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Each row's mean |u| over what it keeps (the L2-optimal 1-bit scale); ``a`` is overwritten."""
+    return a.mul_(keep).sum(1) / keep.sum(1).clamp_min(1)
+
+
 def _sign_chunked(mf: torch.Tensor, D: torch.Tensor | None, m: torch.Tensor, *, group: int, prune: float
                   ) -> QuantizedTensor:
     """_quantize_ms of one large tensor of whole groups at 1 bit with the CPU kernel, by chunks of
@@ -337,7 +349,7 @@ def _sign_chunked(mf: torch.Tensor, D: torch.Tensor | None, m: torch.Tensor, *, 
     d = D.reshape(-1).to(mf.device) if D is not None else None
     cut = None
     if prune > 0:
-        stride = max(1, n // 65536)
+        stride = _cut_stride(n)
         sample = mf[::stride] if d is None else mf[::stride] / d[::stride]
         cut = _quantile(sample.abs(), prune)
     per = max(1, _CHUNK // group)  # rows per chunk
@@ -354,7 +366,7 @@ def _sign_chunked(mf: torch.Tensor, D: torch.Tensor | None, m: torch.Tensor, *, 
         keep = kbuf[:r * group].view(r, group)
         if cut is not None:
             torch.gt(a, cut, out=keep)
-        s = (a.mul_(keep).sum(1) / keep.sum(1).clamp_min(1)).to(torch.bfloat16)
+        s = _kept_mean(a, keep).to(torch.bfloat16)
         scale[r0:r0 + r] = s
         K.sign_tail(ug.numpy(), s.float().clamp_min(1e-38).numpy(), cuts[:r], out[r0:r0 + r])  # empty: no cut
     return _split_m(torch.from_numpy(out).reshape(-1), scale, levels_table(1, prune), [m], [0, n], [n], bits=1,
@@ -481,7 +493,7 @@ def encode_pairs_levels(pairs: list[tuple[torch.Tensor, torch.Tensor, AdamHP]], 
     vf, mf = _f32_cat(vs, "exp_avg_sq"), _f32_cat(ms, "exp_avg")
     ns = [v.numel() for v in vs]
     bc2, eps = (_per_element([getattr(hp, k) for *_, hp in pairs], ns, vf) for k in ("bc2", "eps"))
-    D = vf.clamp_min(0).div_(bc2).sqrt_().add_(eps)  # _denominator
+    D = _denominator(vf, bc2, eps)
     c, top = _grid_codes(vf, D, eps, codec.v_step, mf)
     cs = [c[at:at + n] for at, n in zip(_offsets(ns), ns)]
     qvs = [_grid_record(ci, v, codec.v_step, codec.factored, top) for ci, v in zip(cs, vs)]
