@@ -94,6 +94,7 @@ def moment_bits(snaps, wl, configs: list[str], every: list[int]) -> list[str]:
     m and v over the 20 checkpoints for each MomentConfig (JSON) and keyframe interval."""
     from ckptzip.methods.base import Encoded, config_from_dict
     from ckptzip.methods.moments import MomentConfig, MomentReference, plan_moments, store_moment
+    from ckptzip.methods.qrecord import RecordBatch
     from ckptzip.methods.quantizing import CodesConfig
     from ckptzip.state import flatten_state
 
@@ -110,10 +111,12 @@ def moment_bits(snaps, wl, configs: list[str], every: list[int]) -> list[str]:
             for i, flat in enumerate(flats):
                 plan = plan_moments(flat, cfg, None if i % k == 0 else ref, marker="dynaquant/1", codes=CodesConfig())
                 enc, codes = Encoded(), {}
+                batch = RecordBatch(enc)
                 for name, item in plan.items():
-                    c = store_moment(enc, name, item)
+                    c = store_moment(batch, name, item)
                     if c is not None:
                         codes[name] = c
+                batch.flush()
                 for role in total:  # exact moment records count at their raw size
                     for name, r in flat.records.items():
                         if r.role == role:

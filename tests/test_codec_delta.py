@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ckptzip.codec import delta as D
-from ckptzip.codec.entropy import decode_codes, encode_codes, entropy_bits, read_codes_header
+from ckptzip.codec.entropy import decode_codes, encode_codes, encode_codes_many, entropy_bits, read_codes_header
 from ckptzip.errors import CorruptCheckpointError
 
 BACKENDS = ["torch"] + (["numba"] if D.HAVE_NUMBA else [])
@@ -347,3 +347,26 @@ def test_golden_bytes(with_prev, kwargs, hexbytes):
     cur = torch.tensor(GOLDEN_CUR)
     assert encode_codes(prev, cur, 4, **kwargs).hex() == hexbytes
     assert torch.equal(decode_codes(bytes.fromhex(hexbytes), prev), cur)
+
+
+def test_encode_codes_many_writes_encode_codes_bytes(real_codes):
+    # one kernel call for the order-0 rANS jobs (codec/rans.rans_encode_codes), the pipeline for the
+    # rest: every job's bytes equal encode_codes's, in job order, whatever the mix of dtypes and flags
+    g = torch.Generator().manual_seed(11)
+    seq = real_codes["fc2.weight"]
+    order0 = {"rearrange": False, "rle": False, "coder": "rans"}
+    jobs = [(None, seq[0], 16, order0), (seq[0], seq[1], 16, order0), (seq[1], seq[2], 16, {"coder": "huffman"}),
+            (seq[2].to(torch.uint8), seq[3].to(torch.uint8), 16, order0), (None, seq[4].to(torch.int16), 16, order0),
+            (seq[3], seq[4], 16, {**order0, "rearrange": True}), (None, torch.zeros(0, dtype=torch.int64), 1, order0),
+            (None, torch.full((50,), 3), 4, order0), (seq[4], seq[5], 16, {**order0, "rle": True}),
+            (None, torch.randint(0, 3000, (4000,), generator=g).to(torch.int16), 3000, order0),
+            (None, torch.tensor([0, 1 << 40]), 1 << 41, order0)]   # a sparse alphabet: rans_encode's path
+    want = [encode_codes(p, c, b, **o) for p, c, b, o in jobs]
+    assert encode_codes_many(jobs) == want
+    for (p, c, b, o), buf in zip(jobs, want):
+        assert torch.equal(decode_codes(buf, p), c.long())
+    # a bad job raises what encode_codes raises (the kernel leaves it to the pipeline)
+    for p, c, b in ((None, torch.tensor([0, 5]), 4), (torch.tensor([0, 9]), torch.tensor([1, 1]), 4),
+                    (torch.tensor([0, 1, 2]), torch.tensor([1, 1]), 4)):
+        with pytest.raises(ValueError, match="codes span|codes but prev has"):
+            encode_codes_many([(None, seq[0], 16, order0), (p, c, b, order0)])

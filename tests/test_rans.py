@@ -42,6 +42,29 @@ def test_round_trip_every_lane_count_and_backends_agree(name, x):
             assert out.dtype == np.int64 and np.array_equal(out, x), (name, lanes, b)
 
 
+@pytest.mark.skipif(not R.HAVE_NUMBA, reason="the batch kernel is numba's")
+def test_batch_kernel_writes_rans_encode_bytes():
+    # rans_encode_codes: each segment's stream (or its cyclic delta's) as rans_encode writes it; a
+    # segment it cannot take (code out of range, sparse alphabet) comes back None, the rest unharmed
+    rng = np.random.default_rng(7)
+    for dtype, B in ((np.uint8, 256), (np.int8, 100), (np.int16, 3000), (np.int32, 70_000), (np.int64, 5)):
+        sizes = [0, 1, 2, 37, 5000, 40_000]                   # 1, 2 and 4 lanes, a single value, empty
+        cur = [np.minimum(rng.geometric(0.3, n) - 1, B - 1).astype(dtype) for n in sizes]
+        prev = [rng.integers(0, B, n).astype(dtype) for n in sizes]
+        for c in cur[3:]:
+            c[:2] = (0, B - 1)                                # the ends of the range
+        offsets = np.cumsum([0] + sizes)
+        for delta in (np.zeros(len(sizes), bool), np.arange(len(sizes)) % 2 == 1):
+            got = R.rans_encode_codes(np.concatenate(cur), offsets, np.full(len(sizes), B), np.concatenate(prev), delta)
+            want = [R.rans_encode((p.astype(np.int64) - c) % B if d else c) for c, p, d in zip(cur, prev, delta)]
+            # None only where rans_encode's general normalization takes over (~30k distinct deltas)
+            assert all(g == w or (g is None and B == 70_000) for g, w in zip(got, want)), (dtype, delta)
+            assert sum(g is None for g in got) <= 1
+    bad = np.array([0, 1, 7, 1, 0, 1 << 30], dtype=np.int64)  # [7] outside B = 4; then a sparse alphabet
+    got = R.rans_encode_codes(bad, np.array([0, 2, 4, 6]), np.array([4, 4, 1 << 31]))
+    assert got == [R.rans_encode(bad[:2]), None, None]
+
+
 def test_large_stream_and_torch_input():
     rng = np.random.default_rng(1)
     x = torch.from_numpy(rng.geometric(0.4, 1_000_003)).to(torch.int16)     # 4 lanes, a partial group

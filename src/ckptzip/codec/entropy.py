@@ -43,12 +43,14 @@ from __future__ import annotations
 import importlib
 import struct
 import zlib
+from collections.abc import Sequence
 from typing import Callable
 
 import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
+from ..tensorbytes import INT_DTYPES
 from . import delta as _delta
 from . import rle as _rle
 from .frames import zstd_compress, zstd_decompress
@@ -56,7 +58,7 @@ from .streamframe import ByteReader, as_symbols, seal, unseal, write_varint
 
 __all__ = [
     "CODERS", "get_coder", "encode_stream", "decode_stream", "zstd_encode", "zstd_decode",
-    "encode_codes", "decode_codes", "read_codes_header", "entropy_bits",
+    "encode_codes", "encode_codes_many", "decode_codes", "read_codes_header", "entropy_bits",
 ]
 
 # name -> (module, encode function, decode function); resolved on first use (numba compiles on import)
@@ -160,6 +162,47 @@ def encode_codes(prev_codes: torch.Tensor | None, cur_codes: torch.Tensor, n_lev
     write_varint(head, cur.numel())
     write_varint(head, int(n_levels))
     return bytes(seal(head)) + encode_stream(coder, stream)
+
+
+def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, int, dict]]) -> list[bytes]:
+    """``[encode_codes(prev, cur, n_levels, **options) for prev, cur, n_levels, options in jobs]``, the
+    same bytes; the order-0 rANS streams among them (coder ``"rans"`` without RLE or a rearranged
+    delta: what ``coder="auto"`` picks for most tensors) coded in one kernel call per code dtype
+    (``rans.rans_encode_codes``) instead of one Python pipeline per tensor."""
+    from . import rans
+
+    out: list[bytes | None] = [None] * len(jobs)
+    batches: dict[tuple, list[int]] = {}
+    for i, (prev, cur, n_levels, options) in enumerate(jobs):
+        if _batchable(prev, cur, n_levels, options) and rans.HAVE_NUMBA:
+            batches.setdefault((cur.dtype, None if prev is None else prev.dtype), []).append(i)
+    for (_, prev_dtype), members in batches.items():
+        curs = [jobs[i][1].reshape(-1).cpu().numpy() for i in members]
+        prev = None if prev_dtype is None else np.concatenate([jobs[i][0].reshape(-1).cpu().numpy() for i in members])
+        offsets = np.zeros(len(members) + 1, dtype=np.int64)
+        np.cumsum([c.size for c in curs], out=offsets[1:])
+        streams = rans.rans_encode_codes(np.concatenate(curs), offsets, [jobs[i][2] for i in members], prev,
+                                         np.full(len(members), prev is not None))
+        for i, c, stream in zip(members, curs, streams):
+            if stream is not None:  # else: encode_codes below says what is wrong, or takes the general path
+                head = bytearray(_CODES_MAGIC)
+                head.append((_F_DELTA if prev is not None else 0) | _CODER_IDS["rans"] << 4)
+                write_varint(head, c.size)
+                write_varint(head, int(jobs[i][2]))
+                out[i] = seal(head) + stream
+    return [b if b is not None else encode_codes(prev, cur, n_levels, **options)
+            for b, (prev, cur, n_levels, options) in zip(out, jobs)]
+
+
+def _batchable(prev, cur, n_levels, options) -> bool:
+    """Whether encode_codes of this job is the plain order-0 rANS stream of valid-looking codes."""
+    if options.get("coder", "huffman") != "rans" or options.get("rle", True):
+        return False
+    if prev is not None and (options.get("rearrange", True) or not isinstance(prev, torch.Tensor)
+                             or prev.dtype not in INT_DTYPES or prev.numel() != cur.numel()):
+        return False
+    return isinstance(cur, torch.Tensor) and cur.dtype in INT_DTYPES and isinstance(n_levels, (int, np.integer)) \
+        and 1 <= n_levels < 1 << 62
 
 
 def read_codes_header(buf) -> dict:

@@ -39,18 +39,20 @@ from __future__ import annotations
 
 import bisect
 import math
+import threading
 
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from .streamframe import (alphabet_header, as_symbols, open_alphabet_stream, pack_varints, seal, single_value_stream,
+from .streamframe import (_count_kernel, _minmax_kernel, alphabet_header, as_symbols, open_alphabet_stream, pack_varints, seal, single_value_stream,
                           symbol_counts, write_varint)
 from .huffman import HAVE_NUMBA, _pick
 
 if HAVE_NUMBA:
     import numba as _numba
 
-__all__ = ["rans_encode", "rans_decode", "normalize_counts", "choose_lanes", "PRECISION_BITS", "HAVE_NUMBA"]
+__all__ = ["rans_encode", "rans_encode_codes", "rans_decode", "normalize_counts", "choose_lanes", "PRECISION_BITS",
+           "HAVE_NUMBA"]
 
 PRECISION_BITS = 24
 LANES = (1, 2, 4)
@@ -62,6 +64,8 @@ _LUT_BITS = 12                   # decode table over the slot's top bits: 16 KiB
 # bytes of payload per extra lane: a lane's flush costs ~6 bytes over a single state's, so more
 # lanes pay only where that stays near 0.1 % of the payload (docs/BENCHMARKS.md, issue 15)
 _LANE_PAYLOAD = {4: 12_000, 2: 3_000}
+_LANE_BITS = (8 * _LANE_PAYLOAD[4], 8 * _LANE_PAYLOAD[2])  # the kernels' copy
+_MAGIC_BYTES = tuple(_MAGIC)
 
 
 # =========================================================================== public API
@@ -97,6 +101,50 @@ def rans_encode(symbols, *, lanes: int | None = None, backend: str = "auto") -> 
     write_varint(out, words.size)
     out += words.astype("<u4", copy=False).tobytes()
     return seal(out)
+
+
+def rans_encode_codes(cur: np.ndarray, offsets: np.ndarray, n_levels: np.ndarray, prev: np.ndarray | None = None,
+                      delta: np.ndarray | None = None) -> list[bytes | None]:
+    """Many code streams in one kernel call (numba only): for each segment s, the bytes
+    ``rans_encode`` writes for ``cur[offsets[s]:offsets[s + 1]]``, or for the cyclic delta
+    ``(prev - cur) mod n_levels[s]`` of the segment where ``delta[s]`` (codec/delta.py). None for a
+    segment the batch leaves to ``rans_encode``: a code outside [0, n_levels[s]), a sparse
+    alphabet, counts the fast rounding cannot normalize. Per-segment Python work of the
+    one-at-a-time path (~75 us a stream) is what this saves a save of hundreds of tensors."""
+    if not HAVE_NUMBA:
+        raise RuntimeError("rans_encode_codes needs numba; call rans_encode per stream")
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    n_seg = offsets.size - 1
+    levels = np.ascontiguousarray(n_levels, dtype=np.int64)
+    delta = np.zeros(n_seg, dtype=np.bool_) if delta is None else np.ascontiguousarray(delta, dtype=np.bool_)
+    prev = cur[:0] if prev is None else prev
+    if delta.any() and prev.size != cur.size:
+        raise ValueError(f"prev has {prev.size} codes, cur {cur.size}")
+    sizes = np.diff(offsets)
+    longest = int(sizes.max()) if n_seg else 0
+    # worst case a segment: its header and tables (<= 20 bytes a distinct symbol), a word a symbol
+    bound = int((4 * sizes + 20 * np.minimum(sizes, levels) + 128).sum())
+    out, at = _scratch("out", bound, np.uint8), np.zeros(n_seg + 1, dtype=np.int64)
+    words = _scratch("words", longest + 4 * max(LANES) + 1, np.uint32)
+    status = np.zeros(n_seg, dtype=np.int8)
+    # the symbols in the narrowest type that holds every level: the kernels read them as they are
+    top = int(levels.max()) - 1 if n_seg else 0
+    sym = np.empty(longest, dtype=next(t for t in (np.uint8, np.uint16, np.uint32, np.int64) if top <= np.iinfo(t).max))
+    _encode_codes_kernel(cur, prev, offsets, delta, levels, sym, words, out, at, status)
+    view = memoryview(out)
+    return [None if status[s] else seal(view[at[s]:at[s + 1]]) for s in range(n_seg)]
+
+
+_local = threading.local()
+
+
+def _scratch(name: str, size: int, dtype) -> np.ndarray:
+    """A reusable buffer of this thread (a fresh one per save would pay its page faults every time)."""
+    buf = getattr(_local, name, None)
+    if buf is None or buf.size < size:
+        buf = np.empty(max(size, 1 << 16), dtype=dtype)
+        setattr(_local, name, buf)
+    return buf[:size]
 
 
 def rans_decode(buf, *, backend: str = "auto") -> np.ndarray:
@@ -180,9 +228,17 @@ def choose_lanes(payload_bits: float) -> int:
 _GROWTH_SLACK = 1.5   # log2(1 + d) <= 1.4427 d: a state grows by at most cost + 1.5 M / L bits
 
 
+def _cost_py(counts, freqs, P):
+    """Bits the model charges the stream: sum of counts * -log2(f / 2**P), summed in symbol order
+    (one order for every path: the lane count and the words' bound follow from it)."""
+    total = 0.0
+    for i in range(counts.size):
+        total += counts[i] * (P - np.log2(np.float64(freqs[i])))
+    return total
+
+
 def _cost(counts: np.ndarray, freqs: np.ndarray, P: int) -> float:
-    """Bits the model charges the stream: sum of counts * -log2(f / 2**P)."""
-    return float(np.dot(counts.astype(np.float64), P - np.log2(freqs.astype(np.float64))))
+    return float((_cost_kernel if HAVE_NUMBA else _cost_py)(counts, freqs, P))
 
 
 def _round_counts_py(counts, P, q):
@@ -272,6 +328,7 @@ if HAVE_NUMBA:
     from numba.core.extending import intrinsic as _intrinsic
 
     _round_counts = _numba.njit(cache=True, nogil=True)(_round_counts_py)
+    _cost_kernel = _numba.njit(cache=True, nogil=True)(_cost_py)
 
     @_intrinsic
     def _mulhi(typingctx, a, b):  # pragma: no cover - compiled
@@ -477,5 +534,106 @@ if HAVE_NUMBA:
             else:
                 x2 = xj
         return pos == nw and x0 == _UL and x1 == _UL and x2 == _UL and x3 == _UL
+
+    @_numba.njit(inline="always")
+    def _put_varint(out, pos, v):  # pragma: no cover - compiled
+        while v >= 0x80:
+            out[pos] = np.uint8((v & 0x7F) | 0x80)
+            v >>= 7
+            pos += 1
+        out[pos] = np.uint8(v)
+        return pos + 1
+
+    @_numba.njit(cache=True, nogil=True)
+    def _encode_codes_kernel(cur, prev, offsets, delta, levels, sym, words, out, at,
+                             status):  # pragma: no cover - compiled
+        """rans_encode_codes's segments, each stream's bytes (without the CRC) at out[at[s]:at[s+1]];
+        status[s] = 1: left to rans_encode (nothing written). Each pass its own loop: they vectorize."""
+        pos = 0
+        for s in range(offsets.size - 1):
+            a, n, B = offsets[s], offsets[s + 1] - offsets[s], levels[s]
+            at[s] = pos
+            c = cur[a:a + n]
+            lo, hi = _minmax_kernel(c) if n else (0, 0)
+            ok = 0 <= lo and hi < B  # encode_codes's range check
+            if delta[s] and ok and n:
+                p = prev[a:a + n]
+                lo, hi = _minmax_kernel(p)
+                ok = 0 <= lo and hi < B
+                for i in range(n):  # D = (prev - cur) mod B; widened first: numba's uint8 - uint8 wraps
+                    d = np.int64(p[i]) - np.int64(c[i])
+                    sym[i] = d + B if d < 0 else d
+                d = sym[:n]
+                lo, hi = _minmax_kernel(d)
+                end = _code_stream(d, lo, hi, words, out, pos) if ok else -1
+            else:
+                end = _code_stream(c, lo, hi, words, out, pos) if ok else -1
+            status[s] = end < 0
+            pos = max(pos, end)
+            at[s + 1] = pos
+        return pos
+
+    @_numba.njit(cache=True, nogil=True)
+    def _code_stream(sym, lo, hi, words, out, pos):  # pragma: no cover - compiled
+        """rans_encode's bytes of sym (values in [lo, hi]) at out[pos:] -> the end; -1 where
+        rans_encode takes its general path (a sparse alphabet, a rare normalization)."""
+        n = sym.size
+        if n and hi - lo >= max(1 << 22, 2 * n):
+            return -1
+        span = hi - lo + 1 if n else 0
+        cnt = np.zeros(span, dtype=np.int64)
+        _count_kernel(sym, lo, cnt)
+        k = 0
+        for v in range(span):
+            k += cnt[v] > 0
+        if k > _MAX_DISTINCT:
+            return -1
+        values = np.empty(k, dtype=np.int64)
+        counts = np.empty(k, dtype=np.int64)
+        lut = np.zeros(span, dtype=np.int32)
+        j = 0
+        for v in range(span):
+            if cnt[v]:
+                values[j], counts[j], lut[v] = v + lo, cnt[v], j
+                j += 1
+        freqs = np.empty(k, dtype=np.int64)
+        P = min(PRECISION_BITS, max(8, 64 - _leading_zeros(n)))
+        if k >= 2 and not _round_counts(counts, P, freqs):
+            return -1
+        for b in _MAGIC_BYTES:  # alphabet_header
+            out[pos] = b
+            pos += 1
+        pos = _put_varint(out, pos, n)
+        pos = _put_varint(out, pos, k)
+        if k:
+            pos = _put_varint(out, pos, 2 * values[0])  # zigzag of a value >= 0
+            for j in range(1, k):
+                pos = _put_varint(out, pos, values[j] - values[j - 1] - 1)
+        if k < 2:
+            return pos
+        cost = _cost_kernel(counts, freqs, P)
+        lanes = 4 if cost >= _LANE_BITS[0] else 2 if cost >= _LANE_BITS[1] else 1  # choose_lanes
+        room = words[:n + 4 * lanes + 1]  # a symbol pushes at most one word
+        first = _encode_kernel(sym, lo, lut, freqs.astype(np.uint64), P, lanes, room)
+        for j in range(k):
+            pos = _put_varint(out, pos, freqs[j])
+        out[pos] = lanes
+        pos = _put_varint(out, pos + 1, room.size - first)
+        for j in range(first, room.size):
+            w = room[j]
+            out[pos] = w & 0xFF
+            out[pos + 1] = (w >> 8) & 0xFF
+            out[pos + 2] = (w >> 16) & 0xFF
+            out[pos + 3] = w >> 24
+            pos += 4
+        return pos
+
+    @_numba.njit(inline="always")
+    def _leading_zeros(n):  # pragma: no cover - compiled
+        z = 64
+        while n:
+            n >>= 1
+            z -= 1
+        return z
 else:  # pragma: no cover
-    _round_counts = _encode_kernel = _decode_kernel = None
+    _round_counts = _encode_kernel = _decode_kernel = _cost_kernel = _encode_codes_kernel = None

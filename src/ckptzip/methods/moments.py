@@ -32,7 +32,8 @@ layout of methods/qrecord.py):
 Call order (methods/quantizing.py)::
 
     plan = plan_moments(state, config, prev, marker=..., codes=...)  # record -> MomentItem
-    codes_m[name] = store_moment(enc, name, plan[name])               # in record order
+    codes_m[name] = store_moment(batch, name, plan[name])             # in record order (qrecord.RecordBatch)
+    batch.flush()
     ref = MomentReference(codes_m) if config.deltas(...) else None    # what the next save deltas against
     ...
     ref = decode_moments(encoded, records, prev, out, deltas)         # v records first, then m
@@ -216,14 +217,15 @@ def _direction_meta(q: QuantizedTensor) -> dict:
     return {k: q.meta[k] for k in ("bits", "group", "prune", "normalized")}
 
 
-def store_moment(enc: Encoded, name: str, item: MomentItem) -> qrecord.Codes | None:
-    """Add record ``name``; returns what the next save's delta of it is taken against (or None)."""
+def store_moment(batch: qrecord.RecordBatch, name: str, item: MomentItem) -> qrecord.Codes | None:
+    """Add record ``name`` to ``batch.enc``; returns what the next save's delta of it is taken against
+    (or None). Its codes are coded at ``batch.flush()``."""
     if item.q is None:
-        enc.add(name, [item.marker], item.meta)
+        batch.enc.add(name, [item.marker], item.meta)
         return None
     coder, rearrange, rle = item.coder
-    c = qrecord.store(enc, name, item.q, item.prev, method=item.marker, coder=coder, rearrange=rearrange, rle=rle,
-                      meta=item.meta, pack=item.pack)
+    c = batch.store(name, item.q, item.prev, method=item.marker, coder=coder, rearrange=rearrange, rle=rle,
+                    meta=item.meta, pack=item.pack)
     return item.levels if item.levels is not None else c if item.keep else None
 
 

@@ -344,11 +344,11 @@ class QuantizingMethod(Method):
         stage = S.QUANTIZED_RECORD[self.name].descriptor  # the qrecord layout, unchanged since v0.1
         planned = moments.plan_moments(state, cfg.moments, None if enc.keyframe else prev.moments,
                                        marker=stage, codes=cfg.codes)
-        codes_w, codes_m, exact, groups = {}, {}, {}, GroupWriter()
+        codes_w, codes_m, exact, groups, batch = {}, {}, {}, GroupWriter(), qrecord.RecordBatch(enc)
         for name, rec in state.records.items():
             q = quantized.get(name)
             if name in planned:
-                c = moments.store_moment(enc, name, planned[name])
+                c = moments.store_moment(batch, name, planned[name])
                 if c is not None:
                     codes_m[name] = c
             elif q is None:
@@ -357,9 +357,10 @@ class QuantizingMethod(Method):
             else:
                 p = None if enc.keyframe else prev.weights.get(name)
                 meta = {k: v for k, v in q.meta.items() if k in qrecord.RECORD_META}
-                codes_w[name] = qrecord.store(enc, name, q, p, method=stage, coder=cfg.codes.coder,
-                                              rearrange=cfg.codes.rearrange, rle=cfg.codes.rle, meta=meta,
-                                              residual=name in bases)
+                codes_w[name] = batch.store(name, q, p, method=stage, coder=cfg.codes.coder,
+                                            rearrange=cfg.codes.rearrange, rle=cfg.codes.rle, meta=meta,
+                                            residual=name in bases)
+        batch.flush()
         groups.flush(enc)
         # an async save's search ran in the trainer (asyncsearch.py): its info carries its own search_s
         enc.meta["summary"] = {**{k: getattr(qcfg, k) for k in self._knob_names()}, "search_s": round(search_s, 3),
