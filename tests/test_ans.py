@@ -94,13 +94,16 @@ def test_zstd_picks_narrow_width_and_rejects_corruption():
             E.zstd_decode(buf[:cut])
 
 
-def test_varints_vectorized_match_scalar():
+def test_varints_vectorized_match_scalar(monkeypatch):
     vals = np.array([0, 1, 127, 128, 300, (1 << 35) + 5, (1 << 64) - 1], dtype=np.uint64)
-    packed = S.pack_varints(vals)
     scalar = bytearray()
     for v in vals.tolist():
         S.write_varint(scalar, v)
-    assert packed == bytes(scalar)
+    for reps in (1, 50):  # the kernel (numba), the plain loop and the vectorized numpy form
+        packed = S.pack_varints(np.tile(vals, reps))
+        with monkeypatch.context() as m:
+            m.setattr(S, "_numba", None)
+            assert packed == S.pack_varints(np.tile(vals, reps)) == bytes(scalar) * reps
     for reps in (1, 3):  # 7 values: the reader's plain loop; 21: its vectorized form
         many = np.tile(vals, reps)
         r = S.ByteReader(S.pack_varints(many), "test")
