@@ -17,6 +17,8 @@ Tables:
   2. stage breakdown of the default pipeline (rearrange + RLE + Huffman)
   3. the raw coders on the plain delta stream and on the RLE stream: M symbols/s, size against
      the order-0 entropy
+  4. the paper's encoder against rANS on the plain delta as the share of unchanged codes grows to
+     99.9 % (the pair's changes thinned at random): the evidence for ``coder="auto"``
 
 Run:  .venv/bin/python bench/codec.py                  (~1-2 min; 1 torch thread, numba single-core)
       .venv/bin/python bench/codec.py --source wide    (~3 min)
@@ -150,6 +152,24 @@ def table_coders(prev, cur, repeats):
                   f"{sym.size / t_e / 1e6:>10.1f}{sym.size / t_d / 1e6:>10.1f}")
 
 
+def table_sameness(prev, cur):
+    """The ``auto`` coder's evidence: the paper's encoder (rearranged RLE + Huffman) against rANS on
+    the plain delta as fewer codes change. The pair's changed codes are thinned at random (a kept
+    code takes its parent's value) down to 1 % of them: real delta values, more repeats."""
+    changed = (prev != cur).nonzero().reshape(-1)
+    g = torch.Generator().manual_seed(0)
+    order = torch.randperm(changed.numel(), generator=g)
+    print("\n4. the paper's encoder against order-0 rANS on the plain delta, as fewer codes change (bytes)")
+    print(f"{'unchanged':>10}{'PE huffman':>12}{'rANS delta':>12}{'rANS / PE':>11}")
+    for share in (1.0, 0.5, 0.25, 0.1, 0.05, 0.02, 0.01):
+        c = prev.clone()
+        sel = changed[order[:int(share * changed.numel())]]
+        c[sel] = cur[sel]
+        pe = len(encode_codes(prev, c, 16, rearrange=True, rle=True, coder="huffman"))
+        order0 = len(encode_codes(prev, c, 16, rearrange=False, rle=False, coder="rans"))
+        print(f"{float((c == prev).float().mean()):>10.2%}{pe:>12,}{order0:>12,}{order0 / pe:>11.3f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", choices=("tiled", "wide"), default="tiled")
@@ -174,6 +194,7 @@ def main() -> None:
     table_pipeline(prev, cur, args.repeats)
     table_stages(prev, cur, args.repeats)
     table_coders(prev, cur, args.repeats)
+    table_sameness(prev, cur)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ VARIANTS = {
     "RLE-ans": dict(rearrange=False, rle=True, coder="ans"),
     "PE-ans": dict(rearrange=True, rle=True, coder="ans"),
     "PE-zstd": dict(rearrange=True, rle=True, coder="zstd"),
-    "auto": dict(coder="auto"),  # our default: PE where >= 80 % of codes repeat, else ANS on the delta
+    "auto": dict(coder="auto"),  # our default: rANS on the plain delta (HE-ans's stream, the rANS coder)
 }
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..codec import stages as S
@@ -68,7 +67,7 @@ class RecordBatch:
             prev = None
         B = max(q.n_levels, prev.n_levels) if prev is not None else q.n_levels  # levels may change between saves
         if coder == "auto":
-            coder, rearrange, rle = choose_coder(q.codes, prev)
+            coder, rearrange, rle = ORDER0_CODER, False, False
         # narrow codes (uint8) go in as they are: the delta and coder kernels widen value by value
         self._jobs.append((prev.codes if prev is not None else None, q.codes, B,
                            {"rearrange": rearrange, "rle": rle, "coder": coder}))
@@ -103,30 +102,13 @@ class RecordBatch:
 # quantizer facts worth keeping in a quantized record's meta (decoders read only ``adam`` and qrecord's own)
 RECORD_META = ("domain", "k", "n_pruned", "n_protected", "adam", "prune_threshold", "sensitivity_fallback")
 
-AUTO_RUNS_ABOVE = 0.8  # share of unchanged codes above which runs of zero deltas pay for RLE
-# the order-0 coder ``auto`` picks (and the grid moment codec uses): rANS, measured 1.7x faster than
-# constriction's ANS on a chain's code streams at +0.2 % of its bytes (docs/BENCHMARKS.md, issue 15);
-# without numba its plain-Python reference would be far slower than ANS
+# the ``auto`` coder (and the grid moment codec's): an order-0 coder on the plain cyclic delta, for
+# every tensor. rANS, measured 1.7x faster than constriction's ANS on a chain's code streams at +0.2 %
+# of its bytes (docs/BENCHMARKS.md, issue 15); without numba its plain-Python reference would be far
+# slower than ANS. The paper's rearranged RLE + Huffman (``coder="huffman"``) wrote 1.1-2.2x its bytes
+# at every share of unchanged codes measured, 5 % to 99.9 % (docs/BENCHMARKS.md, "The auto coder"):
+# Huffman spends a whole bit on each symbol, where rANS codes a repeated code in a fraction of one.
 ORDER0_CODER = "rans" if HAVE_NUMBA else "ans"
-
-
-def choose_coder(codes: torch.Tensor, prev: Codes | None) -> tuple[str, bool, bool]:
-    """The ``auto`` coder: (coder, rearrange, rle) for one tensor, from one count of changed codes.
-
-    Measured on real chains (bench/delta.py, bench/codec.py): when most codes repeat the parent's
-    (late training), rearranged RLE + Huffman -- the paper's encoder -- is smallest; when many
-    change, runs are short, RLE only adds symbols, and an order-0 coder (``ORDER0_CODER``) on the
-    plain delta reaches the order-0 entropy (e.g. 1.01 vs 1.54 bits/param at 50 % changed).
-    Keyframes: the order-0 coder, no RLE.
-    """
-    if prev is None:
-        return ORDER0_CODER, False, False
-    same = 1.0
-    if codes.numel():  # the share of unchanged codes as torch's fp32 mean of the 0/1 mask computes it
-        # (fp32 sum / fp32 n; the sum is exact below 2**24 elements), from an exact count: no copies
-        n_same = int(torch.eq(codes.reshape(-1).cpu(), prev.codes.reshape(-1)).sum())
-        same = float(np.float32(n_same) / np.float32(codes.numel()))
-    return ("huffman", True, True) if same >= AUTO_RUNS_ABOVE else (ORDER0_CODER, False, False)
 
 
 def is_residual(enc: Encoded, name: str) -> bool:

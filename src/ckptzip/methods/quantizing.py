@@ -77,7 +77,7 @@ CODER_CHOICES = ("auto", *CODERS)
 class CodesConfig:
     """How the integer codes are coded (Inshrinkerator section 6)."""
 
-    coder: str = "auto"       # "auto" (per tensor, qrecord.choose_coder) | "huffman" | "ans" | "zstd" | "rans"
+    coder: str = "auto"       # "auto" (qrecord.ORDER0_CODER on the plain delta) | "huffman" | "ans" | "zstd" | "rans"
     rearrange: bool = True    # group deltas by source bucket before RLE (section 6.3); fixed coders only
     rle: bool = True          # fixed coders only; coder="huffman" with both is the paper's encoder
 
