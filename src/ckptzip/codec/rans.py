@@ -65,6 +65,7 @@ _LUT_BITS = 12                   # decode table over the slot's top bits: 16 KiB
 # lanes pay only where that stays near 0.1 % of the payload (docs/BENCHMARKS.md, issue 15)
 _LANE_PAYLOAD = {4: 12_000, 2: 3_000}
 _LANE_BITS = (8 * _LANE_PAYLOAD[4], 8 * _LANE_PAYLOAD[2])  # the kernels' copy
+_ROOM = 4 * max(LANES) + 1  # words a stream's buffer holds beyond one a symbol
 _MAGIC_BYTES = tuple(_MAGIC)
 
 
@@ -121,16 +122,20 @@ def rans_encode_codes(cur: np.ndarray, offsets: np.ndarray, n_levels: np.ndarray
     if delta.any() and prev.size != cur.size:
         raise ValueError(f"prev has {prev.size} codes, cur {cur.size}")
     sizes = np.diff(offsets)
-    longest = int(sizes.max()) if n_seg else 0
     # worst case a segment: its header and tables (<= 20 bytes a distinct symbol), a word a symbol
     bound = int((4 * sizes + 20 * np.minimum(sizes, levels) + 128).sum())
     out, at = _scratch("out", bound, np.uint8), np.zeros(n_seg + 1, dtype=np.int64)
-    words = _scratch("words", longest + 4 * max(LANES) + 1, np.uint32)
+    # each segment's words region: a symbol pushes at most one word, then the lanes' flush; two
+    # spare words at the end (the four-stream encoder's idle streams flush there)
+    words = _scratch("words", int(sizes.sum()) + _ROOM * n_seg + 2, np.uint32)
+    distinct = int(np.minimum(sizes, levels).sum())
+    vals, freqs = np.empty(distinct, dtype=np.int64), np.empty(distinct, dtype=np.int64)
     status = np.zeros(n_seg, dtype=np.int8)
-    # the symbols in the narrowest type that holds every level: the kernels read them as they are
+    # the symbols, then their ranks, in the narrowest type that holds every level
     top = int(levels.max()) - 1 if n_seg else 0
-    sym = np.empty(longest, dtype=next(t for t in (np.uint8, np.uint16, np.uint32, np.int64) if top <= np.iinfo(t).max))
-    _encode_codes_kernel(cur, prev, offsets, delta, levels, sym, words, out, at, status)
+    dtype = next(t for t in (np.uint8, np.uint16, np.uint32, np.int64) if top <= np.iinfo(t).max)
+    ranks = _scratch(f"ranks.{np.dtype(dtype).name}", cur.size, dtype)
+    _encode_codes_kernel(cur, prev, offsets, delta, levels, ranks, vals, freqs, words, out, at, status)
     view = memoryview(out)
     return [None if status[s] else seal(view[at[s]:at[s + 1]]) for s in range(n_seg)]
 
@@ -545,15 +550,20 @@ if HAVE_NUMBA:
         return pos + 1
 
     @_numba.njit(cache=True, nogil=True)
-    def _encode_codes_kernel(cur, prev, offsets, delta, levels, sym, words, out, at,
+    def _encode_codes_kernel(cur, prev, offsets, delta, levels, ranks, vals, freqs, words, out, at,
                              status):  # pragma: no cover - compiled
         """rans_encode_codes's segments, each stream's bytes (without the CRC) at out[at[s]:at[s+1]];
-        status[s] = 1: left to rans_encode (nothing written). Each pass its own loop: they vectorize."""
-        pos = 0
-        for s in range(offsets.size - 1):
+        status[s] = 1: left to rans_encode (nothing written). Three passes: each segment's symbols
+        as ranks in its alphabet (ranks[a:e]), its alphabet (vals) and frequencies; the words, the
+        single-lane streams four at a time (one stream's states form a chain of dependent
+        multiplies: four chains keep the core busy); the bytes."""
+        S = offsets.size - 1
+        ks, Ps, lanes = np.zeros(S, np.int64), np.zeros(S, np.int64), np.zeros(S, np.int64)
+        vo, first, end = np.zeros(S + 1, np.int64), np.zeros(S, np.int64), np.zeros(S, np.int64)
+        for s in range(S):
+            vo[s + 1] = vo[s]
             a, n, B = offsets[s], offsets[s + 1] - offsets[s], levels[s]
-            at[s] = pos
-            c = cur[a:a + n]
+            c, r = cur[a:a + n], ranks[a:a + n]
             lo, hi = _minmax_kernel(c) if n else (0, 0)
             ok = 0 <= lo and hi < B  # encode_codes's range check
             if delta[s] and ok and n:
@@ -562,71 +572,134 @@ if HAVE_NUMBA:
                 ok = 0 <= lo and hi < B
                 for i in range(n):  # D = (prev - cur) mod B; widened first: numba's uint8 - uint8 wraps
                     d = np.int64(p[i]) - np.int64(c[i])
-                    sym[i] = d + B if d < 0 else d
-                d = sym[:n]
-                lo, hi = _minmax_kernel(d)
-                end = _code_stream(d, lo, hi, words, out, pos) if ok else -1
+                    r[i] = d + B if d < 0 else d
+                lo, hi = _minmax_kernel(r)
+                k = _alphabet(r, lo, hi, r, vals[vo[s]:], freqs[vo[s]:]) if ok else -1
             else:
-                end = _code_stream(c, lo, hi, words, out, pos) if ok else -1
-            status[s] = end < 0
-            pos = max(pos, end)
+                k = _alphabet(c, lo, hi, r, vals[vo[s]:], freqs[vo[s]:]) if ok else -1
+            if k < 0:
+                status[s] = 1
+                continue
+            ks[s], Ps[s] = k, min(PRECISION_BITS, max(8, 64 - _leading_zeros(n)))
+            if k >= 2:
+                counts = freqs[vo[s]:vo[s] + k].copy()
+                if not _round_counts(counts, Ps[s], freqs[vo[s]:vo[s] + k]):
+                    status[s] = 1
+                    continue
+                cost = _cost_kernel(counts, freqs[vo[s]:vo[s] + k], Ps[s])
+                lanes[s] = 4 if cost >= _LANE_BITS[0] else 2 if cost >= _LANE_BITS[1] else 1  # choose_lanes
+            vo[s + 1] = vo[s] + k
+        at_w = 0
+        single = np.empty(S + 3, np.int64)
+        n1 = 0
+        for s in range(S):  # the words
+            n = offsets[s + 1] - offsets[s]
+            end[s] = at_w = at_w + n + _ROOM
+            if lanes[s] == 1:
+                single[n1] = s
+                n1 += 1
+            elif lanes[s] > 1:
+                a, w0 = offsets[s], end[s] - n - _ROOM
+                ident = np.arange(ks[s]).astype(np.int32)
+                f = freqs[vo[s]:vo[s + 1]].astype(np.uint64)
+                first[s] = w0 + _encode_kernel(ranks[a:a + n], 0, ident, f, Ps[s], lanes[s], words[w0:end[s]])
+        for j in range(n1, n1 + 3):
+            single[j] = S  # no stream: flushes into the spare words
+        for j in range(0, n1, 4):
+            _encode_four(single[j:j + 4], offsets, ranks, freqs, vo, Ps, words, end, first, S)
+        pos = 0
+        for s in range(S):  # the bytes
+            at[s] = pos
+            if status[s]:
+                at[s + 1] = pos
+                continue
+            n, k, v = offsets[s + 1] - offsets[s], ks[s], vo[s]
+            for b in _MAGIC_BYTES:  # alphabet_header
+                out[pos] = b
+                pos += 1
+            pos = _put_varint(out, pos, n)
+            pos = _put_varint(out, pos, k)
+            if k:
+                pos = _put_varint(out, pos, 2 * vals[v])  # zigzag of a value >= 0
+                for j in range(1, k):
+                    pos = _put_varint(out, pos, vals[v + j] - vals[v + j - 1] - 1)
+            if k >= 2:
+                for j in range(k):
+                    pos = _put_varint(out, pos, freqs[v + j])
+                out[pos] = lanes[s]
+                pos = _put_varint(out, pos + 1, end[s] - first[s])
+                for j in range(first[s], end[s]):
+                    w = words[j]
+                    out[pos] = w & 0xFF
+                    out[pos + 1] = (w >> 8) & 0xFF
+                    out[pos + 2] = (w >> 16) & 0xFF
+                    out[pos + 3] = w >> 24
+                    pos += 4
             at[s + 1] = pos
         return pos
 
     @_numba.njit(cache=True, nogil=True)
-    def _code_stream(sym, lo, hi, words, out, pos):  # pragma: no cover - compiled
-        """rans_encode's bytes of sym (values in [lo, hi]) at out[pos:] -> the end; -1 where
-        rans_encode takes its general path (a sparse alphabet, a rare normalization)."""
+    def _alphabet(sym, lo, hi, ranks, vals, counts):  # pragma: no cover - compiled
+        """sym's distinct values (in [lo, hi]) into vals and their counts, each symbol's rank among
+        them into ranks (may be sym itself) -> k; -1 where rans_encode takes its general path (a
+        sparse alphabet, too many distinct values)."""
         n = sym.size
         if n and hi - lo >= max(1 << 22, 2 * n):
             return -1
         span = hi - lo + 1 if n else 0
         cnt = np.zeros(span, dtype=np.int64)
         _count_kernel(sym, lo, cnt)
+        lut = np.zeros(span, dtype=np.int64)
         k = 0
         for v in range(span):
-            k += cnt[v] > 0
-        if k > _MAX_DISTINCT:
-            return -1
-        values = np.empty(k, dtype=np.int64)
-        counts = np.empty(k, dtype=np.int64)
-        lut = np.zeros(span, dtype=np.int32)
-        j = 0
-        for v in range(span):
             if cnt[v]:
-                values[j], counts[j], lut[v] = v + lo, cnt[v], j
-                j += 1
-        freqs = np.empty(k, dtype=np.int64)
-        P = min(PRECISION_BITS, max(8, 64 - _leading_zeros(n)))
-        if k >= 2 and not _round_counts(counts, P, freqs):
-            return -1
-        for b in _MAGIC_BYTES:  # alphabet_header
-            out[pos] = b
-            pos += 1
-        pos = _put_varint(out, pos, n)
-        pos = _put_varint(out, pos, k)
-        if k:
-            pos = _put_varint(out, pos, 2 * values[0])  # zigzag of a value >= 0
-            for j in range(1, k):
-                pos = _put_varint(out, pos, values[j] - values[j - 1] - 1)
-        if k < 2:
-            return pos
-        cost = _cost_kernel(counts, freqs, P)
-        lanes = 4 if cost >= _LANE_BITS[0] else 2 if cost >= _LANE_BITS[1] else 1  # choose_lanes
-        room = words[:n + 4 * lanes + 1]  # a symbol pushes at most one word
-        first = _encode_kernel(sym, lo, lut, freqs.astype(np.uint64), P, lanes, room)
-        for j in range(k):
-            pos = _put_varint(out, pos, freqs[j])
-        out[pos] = lanes
-        pos = _put_varint(out, pos + 1, room.size - first)
-        for j in range(first, room.size):
-            w = room[j]
-            out[pos] = w & 0xFF
-            out[pos + 1] = (w >> 8) & 0xFF
-            out[pos + 2] = (w >> 16) & 0xFF
-            out[pos + 3] = w >> 24
-            pos += 4
-        return pos
+                if k == _MAX_DISTINCT:
+                    return -1
+                vals[k], counts[k], lut[v] = v + lo, cnt[v], k
+                k += 1
+        for i in range(n):
+            ranks[i] = lut[sym[i] - lo]
+        return k
+
+    @_numba.njit(cache=True, nogil=True)
+    def _encode_four(group, offsets, ranks, freqs, vo, Ps, words, end, first, none):  # pragma: no cover
+        """Four single-lane streams at once (segments ``group``; ``none``: no stream), each pushing
+        its words down from end[s] as _encode_kernel(lanes=1) does; first[s] = its first word."""
+        s0, s1, s2, s3 = group[0], group[1], group[2], group[3]
+        t0, n0, a0, p0 = _stream(s0, offsets, freqs, vo, Ps, end, none, words.size)
+        t1, n1, a1, p1 = _stream(s1, offsets, freqs, vo, Ps, end, none, words.size)
+        t2, n2, a2, p2 = _stream(s2, offsets, freqs, vo, Ps, end, none, words.size)
+        t3, n3, a3, p3 = _stream(s3, offsets, freqs, vo, Ps, end, none, words.size)
+        x0 = x1 = x2 = x3 = _UL
+        for i in range(max(max(n0, n1), max(n2, n3)) - 1, -1, -1):
+            if i < n0:
+                x0, p0 = _push(x0, t0, ranks[a0 + i], words, p0)
+            if i < n1:
+                x1, p1 = _push(x1, t1, ranks[a1 + i], words, p1)
+            if i < n2:
+                x2, p2 = _push(x2, t2, ranks[a2 + i], words, p2)
+            if i < n3:
+                x3, p3 = _push(x3, t3, ranks[a3 + i], words, p3)
+        _flush_one(s0, x0, p0, words, first, none)
+        _flush_one(s1, x1, p1, words, first, none)
+        _flush_one(s2, x2, p2, words, first, none)
+        _flush_one(s3, x3, p3, words, first, none)
+
+    @_numba.njit(cache=True, nogil=True)
+    def _stream(s, offsets, freqs, vo, Ps, end, none, spare):  # pragma: no cover - compiled
+        """(encode table, symbol count, first symbol, words end) of segment s; no symbols for ``none``."""
+        if s == none:
+            return _encode_tables(np.ones(2, np.uint64), 1), 0, 0, spare
+        return _encode_tables(freqs[vo[s]:vo[s + 1]].astype(np.uint64), Ps[s]), offsets[s + 1] - offsets[s], \
+            offsets[s], end[s]
+
+    @_numba.njit(inline="always")
+    def _flush_one(s, x, p, words, first, none):  # pragma: no cover - compiled
+        """A single lane's final state in front of its words, high word first."""
+        words[p - 2] = np.uint32(x >> _U32)
+        words[p - 1] = np.uint32(x & _LO)
+        if s != none:
+            first[s] = p - 2
 
     @_numba.njit(inline="always")
     def _leading_zeros(n):  # pragma: no cover - compiled
