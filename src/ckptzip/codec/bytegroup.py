@@ -90,7 +90,7 @@ def merge_planes(planes: np.ndarray, rotate: bool, dtype, *, backend: str = "aut
 
 def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, level: int = 3,
              prev: bytes | memoryview | None = None, plane: bool = True, store_raw: Collection[int] = (),
-             advance: bool = False) -> bytes:
+             advance: bool = False, min_gain: float = 0.0) -> bytes:
     """Byte-grouped zstd of ``raw`` (``width``-byte words); ``prev``: words of the same size to XOR
     with first (what a delta against the previous checkpoint stores), in the same pass; ``plane``:
     frames tuned for byte planes (False: zstd's plain ``level``); ``store_raw``: plane indices
@@ -98,7 +98,8 @@ def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, le
     mantissa planes of an XOR delta are near-random), stored raw unless zstd shrinks their first
     ``PROBE_BYTES`` (:func:`_probe`); ``advance``: ``prev`` (a writable buffer)
     is then overwritten with ``raw`` (a caller that keeps the words as its next reference copies them
-    into memory it holds already), in the split's pass."""
+    into memory it holds already), in the split's pass; ``min_gain``: a plane zstd shrinks by less
+    than this share is stored raw (0: any gain is kept), judged on the probe for a predicted one."""
     raw = memoryview(raw).cast("B")
     if width not in _UINT or len(raw) % width:
         raise ValueError(f"byte grouping needs a width in {sorted(_UINT)} dividing the data, got {width}")
@@ -117,27 +118,49 @@ def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, le
         held[:] = raw  # bytes for bytes: the words' order on this host does not matter
     parts = []
     for i, p in enumerate(planes):
-        c = _probe(p.data, level, plane) if i in store_raw else zstd_compress(p.data, level, plane=plane)
-        parts.append(p.data if len(c) >= p.size else c)  # a plane zstd cannot shrink is stored raw
+        c = _probe(p.data, level, plane, min_gain) if i in store_raw else zstd_compress(p.data, level, plane=plane)
+        parts.append(p.data if len(c) >= p.size * (1 - min_gain) else c)  # a plane zstd cannot shrink: raw
     lens = [len(c) | (_RAW if isinstance(c, memoryview) else 0) for c in parts]
     head = struct.pack(f"<BBQ{width}I", width, int(rotate), len(words), *lens)
     return b"".join([head, *parts])  # copies the raw planes out of the thread's planes buffer
 
 
-PROBE_BYTES = 1 << 12  # a plane predicted raw is compressed whole only if zstd shrinks this much of it
-_PROBE_GAIN = 0.99     # ... to under this share (a near-random plane's frame is ~100.01 % of it)
+PROBE_BYTES = 1 << 12  # a plane predicted raw is compressed whole only if this much of it promises a gain
+_PROBE_GAIN = 0.01     # ... of at least this share (a near-random plane's frame is ~100.01 % of it)
+_PROBE_BIAS = 0.02     # what the histogram of 4 KiB promises beyond zstd's gain on a near-random plane
 
 
-def _probe(plane: memoryview, level: int, plane_params: bool) -> bytes | memoryview:
-    """A plane predicted not to shrink: zstd of it, or the plane itself (stored raw) when its first
-    PROBE_BYTES do not shrink. The prediction used to skip zstd every other save and retry the
-    whole plane in between (where it came out raw again, at 1.4 GB/s); the probe reads 4 KiB of it
-    and runs every save, so a plane that becomes compressible is caught at once."""
-    if plane.nbytes > PROBE_BYTES:
-        head = zstd_compress(plane[:PROBE_BYTES], level, plane=plane_params)
-        if len(head) >= PROBE_BYTES * _PROBE_GAIN:
-            return plane
+def _probe(plane: memoryview, level: int, plane_params: bool, min_gain: float = 0.0) -> bytes | memoryview:
+    """A plane predicted not to shrink: zstd of it, or the plane itself (stored raw) when the byte
+    histogram of its first PROBE_BYTES promises less than ``min_gain`` (plus what it over-promises,
+    ``_PROBE_BIAS``; and 1 %). zstd's frames of a
+    plane are Huffman-coded literals (matches of 7+ bytes are rare in numbers), so the order-0 entropy
+    tells what zstd would save: a histogram costs ~1 us where a zstd probe of 4 KiB cost ~7 us, and
+    a small chain's delta probes ~150 planes. Every save probes, so a plane that becomes
+    compressible is caught at once."""
+    if plane.nbytes > PROBE_BYTES and sample_gain(plane[:PROBE_BYTES]) < max(_PROBE_GAIN, min_gain + _PROBE_BIAS):
+        return plane
     return zstd_compress(plane, level, plane=plane_params)
+
+
+def _sample_gain_py(sample: np.ndarray) -> float:
+    """1 - H / 8 of a byte sample (H: its order-0 entropy in bits a byte), summed bin by bin in
+    order: the numba kernel and this reference agree bit for bit."""
+    counts = np.zeros(256, dtype=np.int64)
+    for v in sample:
+        counts[v] += 1
+    n = sample.size
+    acc = 0.0
+    for c in counts:
+        if c:
+            acc += c * np.log2(c / n)
+    return 1.0 + acc / (8.0 * n)
+
+
+def sample_gain(sample, *, backend: str = "auto") -> float:
+    """The share of a byte sample an order-0 coder saves, ideally (``_sample_gain_py``)."""
+    a = np.frombuffer(sample, dtype=np.uint8)
+    return float((_sample_gain if _use_numba(backend) else _sample_gain_py)(a)) if a.size else 0.0
 
 
 _SCRATCH_MAX = 1 << 23  # planes up to 8 MiB are split into one buffer per thread, reused
@@ -220,6 +243,8 @@ def _use_numba(backend: str) -> bool:
         raise ValueError("backend='numba' needs numba installed; use backend='auto'")
     return _numba is not None and backend != "numpy"
 
+
+_sample_gain = _numba.njit(cache=True, nogil=True)(_sample_gain_py) if _numba is not None else None
 
 if _numba is not None:  # word helpers; W (bytes a word) is a constant of each kernel below, so these unroll
     @_numba.njit(inline="always")

@@ -62,8 +62,8 @@ class _Group:
 class GroupWriter:
     """Collects small records' words per group blob; ``flush`` compresses each blob once."""
 
-    def __init__(self, level: int = 3):
-        self.level = level
+    def __init__(self, level: int = 3, min_gain: float = 0.0):
+        self.level, self.min_gain = level, min_gain  # bytegroup.compress's
         self._groups: dict[str, _Group] = {}
 
     def add(self, t: torch.Tensor, parent: torch.Tensor | None = None) -> dict:
@@ -95,7 +95,7 @@ class GroupWriter:
                 parent = _words([q if q is not None else torch.zeros(t.numel(), dtype=t.dtype)
                                  for t, q in zip(g.tensors, g.parents)])
             enc.blobs[key] = bytegroup.compress(words, width, float_bits=is_float, level=self.level, prev=parent,
-                                                store_raw=(raw_planes or {}).get(key, ()))
+                                                store_raw=(raw_planes or {}).get(key, ()), min_gain=self.min_gain)
             out[key] = words
         self._groups.clear()
         return out

@@ -33,7 +33,7 @@ import torch
 from ..codec import bytegroup
 from ..codec import stages as S
 from ..codec.frames import ZSTD_LEVELS
-from ..configcheck import check_fields
+from ..configcheck import Range, check_fields
 from ..errors import CorruptCheckpointError
 from ..parallel import thread_map
 from ..state import FlatState, TensorRecord
@@ -45,9 +45,20 @@ from .groups import GROUP_BELOW, GroupWriter, group_key, group_words
 @dataclass(frozen=True)
 class LosslessConfig:
     zstd_level: int = 3  # levels above ~9 cost far more time for little gain on float planes
+    # a byte plane zstd shrinks by less than this share is stored raw: the mantissa planes of a delta
+    # shrink 4-8 % at ~50 KB saved per ms of zstd (docs/BENCHMARKS.md, "Planes worth their time");
+    # 0 keeps every gain (the layout before issue 15's last stop)
+    min_gain: float = 0.1
 
     def __post_init__(self):
-        check_fields(self, zstd_level=ZSTD_LEVELS)
+        check_fields(self, zstd_level=ZSTD_LEVELS, min_gain=Range(ge=0.0, lt=1.0))
+
+
+def _guess_raw(t: torch.Tensor) -> tuple[int, ...]:
+    """The planes to probe before compressing where no earlier delta says which stay raw (a keyframe,
+    the first delta after one): a float's planes after its first, whose mantissa bits zstd barely
+    shrinks (the first holds the exponent, which it does)."""
+    return tuple(range(1, t.element_size())) if t.is_floating_point() else ()
 
 
 @dataclass(frozen=True)
@@ -170,7 +181,8 @@ class LosslessMethod(Method):
             advance = reuse and xor and prev.exact.owns(name)
             data = bytegroup.compress(to_numpy_bits(t), t.element_size(), float_bits=t.is_floating_point(),
                                       level=level, prev=None if p is None else to_numpy_bits(p),
-                                      store_raw=praw.get(name, ()) if xor else (), advance=advance)
+                                      store_raw=praw.get(name, _guess_raw(t)) if xor else _guess_raw(t), advance=advance,
+                                      min_gain=self.config.min_gain)
             return data, p if advance else keep(name, t)
 
         large, members = [], {}  # members: group key -> [(name, tensor, xor)] in record order
@@ -187,11 +199,12 @@ class LosslessMethod(Method):
             pg = prev.groups.get(key) if prev is not None else None
             if pg is not None and all(x for _, _, x in items) and pg.names == tuple(n for n, _, _ in items):
                 whole[key] = pg.words
-        groups, metas = GroupWriter(level), {}
+        groups, metas = GroupWriter(level, self.config.min_gain), {}
         for key, items in members.items():
             for name, t, xor in items:
                 metas[name] = groups.add(t, prev.exact[name] if xor and key not in whole else None)
-        words = groups.flush(enc, prev=whole, raw_planes=praw if prev is not None else None)
+        words = groups.flush(enc, prev=whole, raw_planes={key: praw.get(key, _guess_raw(items[0][1]))
+                                                          for key, items in members.items()})
         kept = {key: GroupWords(words[key], tuple(n for n, _, _ in items),
                                 tuple((t.dtype, t.shape) for _, t, _ in items)) for key, items in members.items()}
         coded = dict(zip((n for n, _, _ in large), thread_map(one, large)))
