@@ -156,6 +156,33 @@ def test_moment_batches_do_not_change_the_records(digits_snapshots, monkeypatch)
         assert all(torch.equal(a.q.side[k], b.q.side[k]) for k in a.q.side)
 
 
+def test_a_non_finite_moment_stays_exact_and_its_batch_is_coded(tmp_path, digits_snapshots):
+    """Adam's moments are checked finite once a batch: a NaN in one exp_avg keeps that parameter's
+    moments exact (restored bit for bit) and codes the others of its batch as they are coded alone."""
+    from ckptzip.methods import moments as MM
+
+    torch.set_num_threads(1)
+    model, opt, snaps, _ = digits_snapshots
+    state = {"model": snaps[-1].model, "optimizer": snaps[-1].optimizer}
+    bad = {**state, "optimizer": {**state["optimizer"], "state": dict(state["optimizer"]["state"])}}
+    st0 = bad["optimizer"]["state"][0] = dict(bad["optimizer"]["state"][0])
+    st0["exp_avg"] = st0["exp_avg"].clone()
+    st0["exp_avg"].view(-1)[3] = float("nan")
+    cfg = get_method("dynaquant").config
+    plans = [MM.plan_moments(flatten_state(s, model, opt), cfg.moments, None, marker="dynaquant/1", codes=cfg.codes)
+             for s in (state, bad)]
+    assert "optimizer/state/0/exp_avg" in plans[0] and "optimizer/state/0/exp_avg" not in plans[1]
+    assert "optimizer/state/0/exp_avg_sq" not in plans[1]
+    assert set(plans[1]) == set(plans[0]) - {"optimizer/state/0/exp_avg", "optimizer/state/0/exp_avg_sq"}
+    for name, item in plans[1].items():
+        assert torch.equal(item.q.codes, plans[0][name].q.codes)
+    ch = CheckpointChain(tmp_path, "dynaquant")
+    ch.save(bad, 1, model=model, optimizer=opt)
+    out = ch.load(1)["optimizer"]["state"][0]
+    assert torch.equal(out["exp_avg"].view(torch.int32), st0["exp_avg"].view(torch.int32))
+    assert torch.equal(out["exp_avg_sq"], st0["exp_avg_sq"])
+
+
 def test_each_denominator_is_released_after_its_direction(tmp_path, digits_snapshots, monkeypatch):
     """A restore keeps a v's float32 denominator only until the m that scales by it is decoded (m
     comes first in Adam's state): when a v is decoded, no earlier v's denominator is alive."""
