@@ -349,7 +349,7 @@ def test_golden_bytes(with_prev, kwargs, hexbytes):
     assert torch.equal(decode_codes(bytes.fromhex(hexbytes), prev), cur)
 
 
-def test_encode_codes_many_writes_encode_codes_bytes(real_codes):
+def test_encode_codes_many_writes_encode_codes_bytes(real_codes, monkeypatch):
     # one kernel call for the order-0 rANS jobs (codec/rans.rans_encode_codes), the pipeline for the
     # rest: every job's bytes equal encode_codes's, in job order, whatever the mix of dtypes and flags
     g = torch.Generator().manual_seed(11)
@@ -362,6 +362,9 @@ def test_encode_codes_many_writes_encode_codes_bytes(real_codes):
             (None, torch.randint(0, 3000, (4000,), generator=g).to(torch.int16), 3000, order0),
             (None, torch.tensor([0, 1 << 40]), 1 << 41, order0)]   # a sparse alphabet: rans_encode's path
     want = [encode_codes(p, c, b, **o) for p, c, b, o in jobs]
+    assert encode_codes_many(jobs) == want
+    import ckptzip.codec.entropy as E
+    monkeypatch.setattr(E, "BATCH_CODES", 3000)  # batches of a few tensors, a large one alone
     assert encode_codes_many(jobs) == want
     for (p, c, b, o), buf in zip(jobs, want):
         assert torch.equal(decode_codes(buf, p), c.long())

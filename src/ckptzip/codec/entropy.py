@@ -167,31 +167,46 @@ def encode_codes(prev_codes: torch.Tensor | None, cur_codes: torch.Tensor, n_lev
 def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, int, dict]]) -> list[bytes]:
     """``[encode_codes(prev, cur, n_levels, **options) for prev, cur, n_levels, options in jobs]``, the
     same bytes; the order-0 rANS streams among them (coder ``"rans"`` without RLE or a rearranged
-    delta: what ``coder="auto"`` picks for most tensors) coded in one kernel call per code dtype
-    (``rans.rans_encode_codes``) instead of one Python pipeline per tensor."""
+    delta: what ``coder="auto"`` picks for most tensors) coded a batch of up to BATCH_CODES codes of
+    one code dtype per kernel call (``rans.rans_encode_codes``) instead of one Python pipeline per
+    tensor; a larger tensor is a batch of its own (its codes are not copied)."""
     from . import rans
 
     out: list[bytes | None] = [None] * len(jobs)
-    batches: dict[tuple, list[int]] = {}
+    kinds: dict[tuple, list[list[int]]] = {}
+    filled: dict[tuple, int] = {}  # codes in each kind's last batch
     for i, (prev, cur, n_levels, options) in enumerate(jobs):
         if _batchable(prev, cur, n_levels, options) and rans.HAVE_NUMBA:
-            batches.setdefault((cur.dtype, None if prev is None else prev.dtype), []).append(i)
-    for (_, prev_dtype), members in batches.items():
+            kind = (cur.dtype, None if prev is None else prev.dtype)
+            batches = kinds.setdefault(kind, [[]])
+            if batches[-1] and filled[kind] + cur.numel() > BATCH_CODES:
+                batches.append([])
+                filled[kind] = 0
+            batches[-1].append(i)
+            filled[kind] = filled.get(kind, 0) + cur.numel()
+    for (_, prev_dtype), members in ((k, m) for k, batches in kinds.items() for m in batches):
         curs = [jobs[i][1].reshape(-1).cpu().numpy() for i in members]
-        prev = None if prev_dtype is None else np.concatenate([jobs[i][0].reshape(-1).cpu().numpy() for i in members])
+        prevs = [] if prev_dtype is None else [jobs[i][0].reshape(-1).cpu().numpy() for i in members]
         offsets = np.zeros(len(members) + 1, dtype=np.int64)
         np.cumsum([c.size for c in curs], out=offsets[1:])
-        streams = rans.rans_encode_codes(np.concatenate(curs), offsets, [jobs[i][2] for i in members], prev,
-                                         np.full(len(members), prev is not None))
+        streams = rans.rans_encode_codes(_joined(curs), offsets, [jobs[i][2] for i in members],
+                                         _joined(prevs) if prevs else None, np.full(len(members), bool(prevs)))
         for i, c, stream in zip(members, curs, streams):
             if stream is not None:  # else: encode_codes below says what is wrong, or takes the general path
                 head = bytearray(_CODES_MAGIC)
-                head.append((_F_DELTA if prev is not None else 0) | _CODER_IDS["rans"] << 4)
+                head.append((_F_DELTA if prevs else 0) | _CODER_IDS["rans"] << 4)
                 write_varint(head, c.size)
                 write_varint(head, int(jobs[i][2]))
                 out[i] = seal(head) + stream
     return [b if b is not None else encode_codes(prev, cur, n_levels, **options)
             for b, (prev, cur, n_levels, options) in zip(out, jobs)]
+
+
+BATCH_CODES = 1 << 22  # codes per batch of encode_codes_many: its copies and scratch stay small
+
+
+def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 def _batchable(prev, cur, n_levels, options) -> bool:

@@ -65,7 +65,6 @@ _LUT_BITS = 12                   # decode table over the slot's top bits: 16 KiB
 # lanes pay only where that stays near 0.1 % of the payload (docs/BENCHMARKS.md, issue 15)
 _LANE_PAYLOAD = {4: 12_000, 2: 3_000}
 _LANE_BITS = (8 * _LANE_PAYLOAD[4], 8 * _LANE_PAYLOAD[2])  # the kernels' copy
-_ROOM = 4 * max(LANES) + 1  # words a stream's buffer holds beyond one a symbol
 _MAGIC_BYTES = tuple(_MAGIC)
 
 
@@ -122,29 +121,36 @@ def rans_encode_codes(cur: np.ndarray, offsets: np.ndarray, n_levels: np.ndarray
     if delta.any() and prev.size != cur.size:
         raise ValueError(f"prev has {prev.size} codes, cur {cur.size}")
     sizes = np.diff(offsets)
-    # worst case a segment: its header and tables (<= 20 bytes a distinct symbol), a word a symbol
-    bound = int((4 * sizes + 20 * np.minimum(sizes, levels) + 128).sum())
-    out, at = _scratch("out", bound, np.uint8), np.zeros(n_seg + 1, dtype=np.int64)
-    # each segment's words region: a symbol pushes at most one word, then the lanes' flush; two
-    # spare words at the end (the four-stream encoder's idle streams flush there)
-    words = _scratch("words", int(sizes.sum()) + _ROOM * n_seg + 2, np.uint32)
     distinct = int(np.minimum(sizes, levels).sum())
     vals, freqs = np.empty(distinct, dtype=np.int64), np.empty(distinct, dtype=np.int64)
+    ks, Ps, lanes, caps = (np.zeros(n_seg, dtype=np.int64) for _ in range(4))
+    vo = np.zeros(n_seg + 1, dtype=np.int64)
     status = np.zeros(n_seg, dtype=np.int8)
     # the symbols, then their ranks, in the narrowest type that holds every level
     top = int(levels.max()) - 1 if n_seg else 0
     dtype = next(t for t in (np.uint8, np.uint16, np.uint32, np.int64) if top <= np.iinfo(t).max)
     ranks = _scratch(f"ranks.{np.dtype(dtype).name}", cur.size, dtype)
-    _encode_codes_kernel(cur, prev, offsets, delta, levels, ranks, vals, freqs, words, out, at, status)
+    _alphabets_kernel(cur, prev, offsets, delta, levels, ranks, vals, freqs, vo, ks, Ps, lanes, caps, status)
+    # each stream's words within rans_encode's bound, two spare words at the end (the four-stream
+    # encoder's idle streams flush there); the bytes: header, tables, words
+    ends = np.cumsum(caps)
+    words = _scratch("words", int(ends[-1] if n_seg else 0) + 2, np.uint32)
+    out = _scratch("out", int((4 * caps + 20 * ks + 64).sum()), np.uint8)
+    at = np.zeros(n_seg + 1, dtype=np.int64)
+    _streams_kernel(offsets, ranks, vals, freqs, vo, ks, Ps, lanes, words, ends, out, at, status)
     view = memoryview(out)
     return [None if status[s] else seal(view[at[s]:at[s + 1]]) for s in range(n_seg)]
 
 
 _local = threading.local()
+_SCRATCH_KEEP = 1 << 24
 
 
 def _scratch(name: str, size: int, dtype) -> np.ndarray:
-    """A reusable buffer of this thread (a fresh one per save would pay its page faults every time)."""
+    """A reusable buffer of this thread (a fresh one per save would pay its page faults every time);
+    one over _SCRATCH_KEEP bytes is not kept (a large model's codes: memory for the save alone)."""
+    if size * np.dtype(dtype).itemsize > _SCRATCH_KEEP:
+        return np.empty(size, dtype=dtype)
     buf = getattr(_local, name, None)
     if buf is None or buf.size < size:
         buf = np.empty(max(size, 1 << 16), dtype=dtype)
@@ -550,17 +556,12 @@ if HAVE_NUMBA:
         return pos + 1
 
     @_numba.njit(cache=True, nogil=True)
-    def _encode_codes_kernel(cur, prev, offsets, delta, levels, ranks, vals, freqs, words, out, at,
-                             status):  # pragma: no cover - compiled
-        """rans_encode_codes's segments, each stream's bytes (without the CRC) at out[at[s]:at[s+1]];
-        status[s] = 1: left to rans_encode (nothing written). Three passes: each segment's symbols
-        as ranks in its alphabet (ranks[a:e]), its alphabet (vals) and frequencies; the words, the
-        single-lane streams four at a time (one stream's states form a chain of dependent
-        multiplies: four chains keep the core busy); the bytes."""
-        S = offsets.size - 1
-        ks, Ps, lanes = np.zeros(S, np.int64), np.zeros(S, np.int64), np.zeros(S, np.int64)
-        vo, first, end = np.zeros(S + 1, np.int64), np.zeros(S, np.int64), np.zeros(S, np.int64)
-        for s in range(S):
+    def _alphabets_kernel(cur, prev, offsets, delta, levels, ranks, vals, freqs, vo, ks, Ps, lanes, caps,
+                          status):  # pragma: no cover - compiled
+        """rans_encode_codes's first pass: each segment's symbols as ranks in its alphabet
+        (ranks[a:e]), the alphabet (vals[vo[s]:vo[s+1]]), its frequencies, P, lanes and the words
+        its stream may push (rans_encode's bound); status[s] = 1: left to rans_encode."""
+        for s in range(offsets.size - 1):
             vo[s + 1] = vo[s]
             a, n, B = offsets[s], offsets[s + 1] - offsets[s], levels[s]
             c, r = cur[a:a + n], ranks[a:a + n]
@@ -588,25 +589,38 @@ if HAVE_NUMBA:
                     continue
                 cost = _cost_kernel(counts, freqs[vo[s]:vo[s] + k], Ps[s])
                 lanes[s] = 4 if cost >= _LANE_BITS[0] else 2 if cost >= _LANE_BITS[1] else 1  # choose_lanes
+                grow = (cost + n * _GROWTH_SLACK * 2.0 ** (Ps[s] - 31)) / 32 * (1 + 1e-9)
+                caps[s] = np.int64(math.ceil(grow)) + 2 + 3 * lanes[s]  # rans_encode's cap + 2 lanes
             vo[s + 1] = vo[s] + k
-        at_w = 0
+
+    @_numba.njit(cache=True, nogil=True)
+    def _streams_kernel(offsets, ranks, vals, freqs, vo, ks, Ps, lanes, words, ends, out, at,
+                        status):  # pragma: no cover - compiled
+        """rans_encode_codes's words (segment s pushes down from ends[s], at most caps[s]; the
+        single-lane streams four at a time: one stream's states form a chain of dependent multiplies,
+        four chains keep the core busy), then each stream's bytes (without the CRC) at out[at[s]:at[s+1]]."""
+        S = offsets.size - 1
+        first = np.zeros(S, np.int64)
         single = np.empty(S + 3, np.int64)
         n1 = 0
-        for s in range(S):  # the words
-            n = offsets[s + 1] - offsets[s]
-            end[s] = at_w = at_w + n + _ROOM
+        for s in range(S):
+            if status[s] or ks[s] < 2:
+                continue
             if lanes[s] == 1:
                 single[n1] = s
                 n1 += 1
-            elif lanes[s] > 1:
-                a, w0 = offsets[s], end[s] - n - _ROOM
-                ident = np.arange(ks[s]).astype(np.int32)
-                f = freqs[vo[s]:vo[s + 1]].astype(np.uint64)
-                first[s] = w0 + _encode_kernel(ranks[a:a + n], 0, ident, f, Ps[s], lanes[s], words[w0:end[s]])
+                continue
+            a, n, w0 = offsets[s], offsets[s + 1] - offsets[s], ends[s - 1] if s else 0
+            ident = np.arange(ks[s]).astype(np.int32)
+            f = freqs[vo[s]:vo[s + 1]].astype(np.uint64)
+            got = _encode_kernel(ranks[a:a + n], 0, ident, f, Ps[s], lanes[s], words[w0:ends[s]])
+            if got < 0:  # past the bound (it holds: never seen)
+                status[s] = 1
+            first[s] = w0 + got
         for j in range(n1, n1 + 3):
             single[j] = S  # no stream: flushes into the spare words
         for j in range(0, n1, 4):
-            _encode_four(single[j:j + 4], offsets, ranks, freqs, vo, Ps, words, end, first, S)
+            _encode_four(single[j:j + 4], offsets, ranks, freqs, vo, Ps, words, ends, first, status, S)
         pos = 0
         for s in range(S):  # the bytes
             at[s] = pos
@@ -627,8 +641,8 @@ if HAVE_NUMBA:
                 for j in range(k):
                     pos = _put_varint(out, pos, freqs[v + j])
                 out[pos] = lanes[s]
-                pos = _put_varint(out, pos + 1, end[s] - first[s])
-                for j in range(first[s], end[s]):
+                pos = _put_varint(out, pos + 1, ends[s] - first[s])
+                for j in range(first[s], ends[s]):
                     w = words[j]
                     out[pos] = w & 0xFF
                     out[pos + 1] = (w >> 8) & 0xFF
@@ -662,44 +676,51 @@ if HAVE_NUMBA:
         return k
 
     @_numba.njit(cache=True, nogil=True)
-    def _encode_four(group, offsets, ranks, freqs, vo, Ps, words, end, first, none):  # pragma: no cover
+    def _encode_four(group, offsets, ranks, freqs, vo, Ps, words, ends, first, status,
+                     none):  # pragma: no cover - compiled
         """Four single-lane streams at once (segments ``group``; ``none``: no stream), each pushing
-        its words down from end[s] as _encode_kernel(lanes=1) does; first[s] = its first word."""
+        its words down from ends[s] as _encode_kernel(lanes=1) does; first[s] = its first word. A
+        stream that would pass its region's start (rans_encode's bound holds: never seen) stops
+        and is left to rans_encode (status)."""
         s0, s1, s2, s3 = group[0], group[1], group[2], group[3]
-        t0, n0, a0, p0 = _stream(s0, offsets, freqs, vo, Ps, end, none, words.size)
-        t1, n1, a1, p1 = _stream(s1, offsets, freqs, vo, Ps, end, none, words.size)
-        t2, n2, a2, p2 = _stream(s2, offsets, freqs, vo, Ps, end, none, words.size)
-        t3, n3, a3, p3 = _stream(s3, offsets, freqs, vo, Ps, end, none, words.size)
+        t0, n0, a0, p0, l0 = _stream(s0, offsets, freqs, vo, Ps, ends, none, words.size)
+        t1, n1, a1, p1, l1 = _stream(s1, offsets, freqs, vo, Ps, ends, none, words.size)
+        t2, n2, a2, p2, l2 = _stream(s2, offsets, freqs, vo, Ps, ends, none, words.size)
+        t3, n3, a3, p3, l3 = _stream(s3, offsets, freqs, vo, Ps, ends, none, words.size)
         x0 = x1 = x2 = x3 = _UL
         for i in range(max(max(n0, n1), max(n2, n3)) - 1, -1, -1):
-            if i < n0:
+            if i < n0 and p0 > l0:
                 x0, p0 = _push(x0, t0, ranks[a0 + i], words, p0)
-            if i < n1:
+            if i < n1 and p1 > l1:
                 x1, p1 = _push(x1, t1, ranks[a1 + i], words, p1)
-            if i < n2:
+            if i < n2 and p2 > l2:
                 x2, p2 = _push(x2, t2, ranks[a2 + i], words, p2)
-            if i < n3:
+            if i < n3 and p3 > l3:
                 x3, p3 = _push(x3, t3, ranks[a3 + i], words, p3)
-        _flush_one(s0, x0, p0, words, first, none)
-        _flush_one(s1, x1, p1, words, first, none)
-        _flush_one(s2, x2, p2, words, first, none)
-        _flush_one(s3, x3, p3, words, first, none)
+        _flush_one(s0, x0, p0 if p0 > l0 else l0, l0, words, first, status, none)
+        _flush_one(s1, x1, p1 if p1 > l1 else l1, l1, words, first, status, none)
+        _flush_one(s2, x2, p2 if p2 > l2 else l2, l2, words, first, status, none)
+        _flush_one(s3, x3, p3 if p3 > l3 else l3, l3, words, first, status, none)
 
     @_numba.njit(cache=True, nogil=True)
-    def _stream(s, offsets, freqs, vo, Ps, end, none, spare):  # pragma: no cover - compiled
-        """(encode table, symbol count, first symbol, words end) of segment s; no symbols for ``none``."""
+    def _stream(s, offsets, freqs, vo, Ps, ends, none, spare):  # pragma: no cover - compiled
+        """(encode table, symbol count, first symbol, words end, words start) of segment s; no
+        symbols for ``none`` (its flush goes to the two spare words)."""
         if s == none:
-            return _encode_tables(np.ones(2, np.uint64), 1), 0, 0, spare
+            return _encode_tables(np.ones(2, np.uint64), 1), 0, 0, spare, spare - 2
         return _encode_tables(freqs[vo[s]:vo[s + 1]].astype(np.uint64), Ps[s]), offsets[s + 1] - offsets[s], \
-            offsets[s], end[s]
+            offsets[s], ends[s], ends[s - 1] if s else 0
 
     @_numba.njit(inline="always")
-    def _flush_one(s, x, p, words, first, none):  # pragma: no cover - compiled
-        """A single lane's final state in front of its words, high word first."""
-        words[p - 2] = np.uint32(x >> _U32)
-        words[p - 1] = np.uint32(x & _LO)
+    def _flush_one(s, x, p, lo, words, first, status, none):  # pragma: no cover - compiled
+        """A single lane's final state in front of its words, high word first (if it has room)."""
         if s != none:
-            first[s] = p - 2
+            if p - 2 < lo:
+                status[s] = 1
+            else:
+                words[p - 2] = np.uint32(x >> _U32)
+                words[p - 1] = np.uint32(x & _LO)
+                first[s] = p - 2
 
     @_numba.njit(inline="always")
     def _leading_zeros(n):  # pragma: no cover - compiled
@@ -709,4 +730,4 @@ if HAVE_NUMBA:
             z -= 1
         return z
 else:  # pragma: no cover
-    _round_counts = _encode_kernel = _decode_kernel = _cost_kernel = _encode_codes_kernel = None
+    _round_counts = _encode_kernel = _decode_kernel = _cost_kernel = _alphabets_kernel = _streams_kernel = None
