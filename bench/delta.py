@@ -2,6 +2,7 @@
 
     python bench/delta.py                 # ablation on a real GPT-2 chain + throughput
     python bench/delta.py --memory 100    # + peak memory and time/param of a save & restore at 100M params
+    python bench/delta.py --only sameness # the auto coder's evidence: PE vs rANS by share of unchanged codes
 
 Ablation variants (all with the same dynaquant quantizer, fixed config, pruning 0.1):
   HE  = cyclic delta -> Huffman               RLE = delta -> run-length -> Huffman
@@ -187,6 +188,44 @@ def memory(args):
                 print(f"{method:10s} {phase:8s} {n / 1e6:7.0f}M {sb / 1e6:9.0f} {extra:18.2f}x {el:7.1f} {1e6 * el / n:9.3f}")
 
 
+def sameness(args):
+    """The ``auto`` coder's evidence on real deltas: every dynaquant weight delta of GPT-2 chains
+    saved 1, 2, 8 and 32 steps apart, coded both ways, binned by the share of codes that repeat
+    their parent's: the paper's rearranged RLE + Huffman against rANS on the plain delta."""
+    from ckptzip.codec import entropy
+    from ckptzip.methods import qrecord
+
+    rows = []
+    real = qrecord.encode_codes_many
+
+    def spy(jobs):
+        for prev, cur, n_levels, _ in jobs:
+            if prev is not None:
+                same = float((prev.long() == cur.long()).float().mean())
+                pe = len(entropy.encode_codes(prev, cur, n_levels, rearrange=True, rle=True, coder="huffman"))
+                o0 = len(entropy.encode_codes(prev, cur, n_levels, rearrange=False, rle=False, coder="rans"))
+                rows.append((same, pe, o0))
+        return real(jobs)
+
+    qrecord.encode_codes_many = spy
+    try:
+        for every in (1, 2, 8, 32):
+            model, opt, snaps = training_snapshots(4, every)
+            with tempfile.TemporaryDirectory() as d:
+                chain = CheckpointChain(d, "dynaquant", keyframe=KeyframePolicy(every=10_000))
+                for step, st in snaps:
+                    chain.save(st, step, model=model, optimizer=opt)
+    finally:
+        qrecord.encode_codes_many = real
+    print("\nThe auto coder: weight and moment deltas of GPT-2 chains 1-32 steps apart, by share of unchanged codes")
+    print(f"{'unchanged':>10} {'tensors':>8} {'PE huffman B':>13} {'rANS delta B':>13} {'rANS / PE':>10}")
+    for lo in [x / 10 for x in range(10)]:
+        sel = [r for r in rows if lo <= r[0] < lo + 0.1 or (lo == 0.9 and r[0] == 1.0)]
+        if sel:
+            pe, o0 = sum(r[1] for r in sel), sum(r[2] for r in sel)
+            print(f"{lo:>9.0%}+ {len(sel):>8} {pe:>13,} {o0:>13,} {o0 / pe:>10.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoints", type=int, default=24)
@@ -204,6 +243,8 @@ def main():
         throughput(args)
     if "memory" in only and args.memory:
         memory(args)
+    if "sameness" in only:
+        sameness(args)
 
 
 if __name__ == "__main__":
