@@ -4,6 +4,8 @@ Same interface as codec/ans.py (whose constriction coder it replaces where speed
 
     buf = rans_encode(symbols)         # 1-D integers (numpy or torch) -> bytes
     out = rans_decode(buf)             # -> 1-D numpy int64, equal to symbols
+    bufs = rans_encode_codes(cur, offsets, n_levels, prev, delta)  # many streams of codes (or their
+                                       # cyclic deltas) in one numba call: rans_encode's bytes each
 
 The coder is ryg_rans's 64-bit rANS: state x in [L, 2**32 L), L = 2**31, 32-bit words out, the
 symbol counts normalized to a total of exactly M = 2**P, P = min(24, max(8, bit length of n))
@@ -44,12 +46,14 @@ import threading
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from .streamframe import (_count_kernel, _minmax_kernel, alphabet_header, as_symbols, open_alphabet_stream, pack_varints, seal, single_value_stream,
+from .streamframe import (alphabet_header, as_symbols, open_alphabet_stream, pack_varints, seal, single_value_stream,
                           symbol_counts, write_varint)
 from .huffman import HAVE_NUMBA, _pick
 
 if HAVE_NUMBA:
     import numba as _numba
+
+    from .streamframe import _count_kernel, _minmax_kernel  # the batch kernel's passes
 
 __all__ = ["rans_encode", "rans_encode_codes", "rans_decode", "normalize_counts", "choose_lanes", "PRECISION_BITS",
            "HAVE_NUMBA"]
@@ -131,10 +135,9 @@ def rans_encode_codes(cur: np.ndarray, offsets: np.ndarray, n_levels: np.ndarray
     dtype = next(t for t in (np.uint8, np.uint16, np.uint32, np.int64) if top <= np.iinfo(t).max)
     ranks = _scratch(f"ranks.{np.dtype(dtype).name}", cur.size, dtype)
     _alphabets_kernel(cur, prev, offsets, delta, levels, ranks, vals, freqs, vo, ks, Ps, lanes, caps, status)
-    # each stream's words within rans_encode's bound, two spare words at the end (the four-stream
-    # encoder's idle streams flush there); the bytes: header, tables, words
+    # each stream's words within rans_encode's bound; the bytes: header, tables, words
     ends = np.cumsum(caps)
-    words = _scratch("words", int(ends[-1] if n_seg else 0) + 2, np.uint32)
+    words = _scratch("words", int(ends[-1] if n_seg else 0), np.uint32)
     out = _scratch("out", int((4 * caps + 20 * ks + 64).sum()), np.uint8)
     at = np.zeros(n_seg + 1, dtype=np.int64)
     _streams_kernel(offsets, ranks, vals, freqs, vo, ks, Ps, lanes, words, ends, out, at, status)
@@ -249,7 +252,9 @@ def _cost_py(counts, freqs, P):
 
 
 def _cost(counts: np.ndarray, freqs: np.ndarray, P: int) -> float:
-    return float((_cost_kernel if HAVE_NUMBA else _cost_py)(counts, freqs, P))
+    if HAVE_NUMBA:
+        return float(_cost_kernel(counts, freqs, P))
+    return float(np.dot(counts.astype(np.float64), P - np.log2(freqs.astype(np.float64))))  # no kernels: no batch
 
 
 def _round_counts_py(counts, P, q):
@@ -618,7 +623,7 @@ if HAVE_NUMBA:
                 status[s] = 1
             first[s] = w0 + got
         for j in range(n1, n1 + 3):
-            single[j] = S  # no stream: flushes into the spare words
+            single[j] = S  # no stream
         for j in range(0, n1, 4):
             _encode_four(single[j:j + 4], offsets, ranks, freqs, vo, Ps, words, ends, first, status, S)
         pos = 0
@@ -683,10 +688,10 @@ if HAVE_NUMBA:
         stream that would pass its region's start (rans_encode's bound holds: never seen) stops
         and is left to rans_encode (status)."""
         s0, s1, s2, s3 = group[0], group[1], group[2], group[3]
-        t0, n0, a0, p0, l0 = _stream(s0, offsets, freqs, vo, Ps, ends, none, words.size)
-        t1, n1, a1, p1, l1 = _stream(s1, offsets, freqs, vo, Ps, ends, none, words.size)
-        t2, n2, a2, p2, l2 = _stream(s2, offsets, freqs, vo, Ps, ends, none, words.size)
-        t3, n3, a3, p3, l3 = _stream(s3, offsets, freqs, vo, Ps, ends, none, words.size)
+        t0, n0, a0, p0, l0 = _stream(s0, offsets, freqs, vo, Ps, ends, none)
+        t1, n1, a1, p1, l1 = _stream(s1, offsets, freqs, vo, Ps, ends, none)
+        t2, n2, a2, p2, l2 = _stream(s2, offsets, freqs, vo, Ps, ends, none)
+        t3, n3, a3, p3, l3 = _stream(s3, offsets, freqs, vo, Ps, ends, none)
         x0 = x1 = x2 = x3 = _UL
         for i in range(max(max(n0, n1), max(n2, n3)) - 1, -1, -1):
             if i < n0 and p0 > l0:
@@ -703,11 +708,11 @@ if HAVE_NUMBA:
         _flush_one(s3, x3, p3 if p3 > l3 else l3, l3, words, first, status, none)
 
     @_numba.njit(cache=True, nogil=True)
-    def _stream(s, offsets, freqs, vo, Ps, ends, none, spare):  # pragma: no cover - compiled
+    def _stream(s, offsets, freqs, vo, Ps, ends, none):  # pragma: no cover - compiled
         """(encode table, symbol count, first symbol, words end, words start) of segment s; no
-        symbols for ``none`` (its flush goes to the two spare words)."""
+        symbols and no words for ``none``."""
         if s == none:
-            return _encode_tables(np.ones(2, np.uint64), 1), 0, 0, spare, spare - 2
+            return _encode_tables(np.ones(2, np.uint64), 1), 0, 0, 0, 0
         return _encode_tables(freqs[vo[s]:vo[s + 1]].astype(np.uint64), Ps[s]), offsets[s + 1] - offsets[s], \
             offsets[s], ends[s], ends[s - 1] if s else 0
 

@@ -46,8 +46,8 @@ from .groups import GROUP_BELOW, GroupWriter, group_key, group_words
 class LosslessConfig:
     zstd_level: int = 3  # levels above ~9 cost far more time for little gain on float planes
     # a byte plane zstd shrinks by less than this share is stored raw: the mantissa planes of a delta
-    # shrink 4-8 % at ~50 KB saved per ms of zstd (docs/BENCHMARKS.md, "Planes worth their time");
-    # 0 keeps every gain (the layout before issue 15's last stop)
+    # shrink 4-8 % at ~50 KB saved per ms of zstd (docs/BENCHMARKS.md, "Batched code streams, the auto
+    # coder, plane probes"); 0 keeps every gain zstd finds
     min_gain: float = 0.1
 
     def __post_init__(self):
@@ -181,8 +181,8 @@ class LosslessMethod(Method):
             advance = reuse and xor and prev.exact.owns(name)
             data = bytegroup.compress(to_numpy_bits(t), t.element_size(), float_bits=t.is_floating_point(),
                                       level=level, prev=None if p is None else to_numpy_bits(p),
-                                      store_raw=praw.get(name, _guess_raw(t)) if xor else _guess_raw(t), advance=advance,
-                                      min_gain=self.config.min_gain)
+                                      store_raw=praw.get(name, _guess_raw(t)) if xor else _guess_raw(t),
+                                      advance=advance, min_gain=self.config.min_gain)
             return data, p if advance else keep(name, t)
 
         large, members = [], {}  # members: group key -> [(name, tensor, xor)] in record order
