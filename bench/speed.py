@@ -40,8 +40,9 @@ zstd); the figures in docs/BENCHMARKS.md are to be re-run on a quiet machine.
 Run:  .venv/bin/python bench/speed.py                       (small chain, search, v0.1: ~5 min)
       .venv/bin/python bench/speed.py --only small,gpt2,memory,search,v01 --big-steps 2
 
-The build measured is the ``src`` beside this script (its child processes set PYTHONPATH to it,
-whatever the caller's): to compare two builds, run each checkout's own bench/speed.py.
+The build measured is the ``src`` beside this script (its child processes set PYTHONPATH to it and
+this process puts it first on sys.path, whatever the caller's): to compare two builds, run each
+checkout's own bench/speed.py.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ import time
 import torch
 
 V01 = "47704d1"
+_SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")  # the build measured
 ZSTD_LEVEL = 3
 
 
@@ -311,7 +313,8 @@ def memory(args) -> None:
     rows = []
     for method in ("dynaquant", "lossless"):
         r = subprocess.run([sys.executable, "-c", MEMORY_CHILD, method, str(args.big_steps), str(args.threads),
-                            os.path.dirname(os.path.abspath(__file__))], capture_output=True, text=True)
+                            os.path.dirname(os.path.abspath(__file__))], capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=_SRC))
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith("JSON")), None)
         if r.returncode or line is None:
             raise SystemExit(r.stderr[-3000:])
@@ -423,7 +426,8 @@ def main(argv=None) -> None:
         return child(args)
     only = args.only.split(",")
     torch.set_num_threads(args.threads)
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    here = _SRC
+    sys.path.insert(0, here)  # the search and checksums tables run in this process: the same build
     print(f"torch threads {args.threads}; thread CPU time; medians [min, max] over {args.reps} reps "
           "(noisy shared machine: re-run on a quiet one)")
     for kind in ("small", "gpt2"):
