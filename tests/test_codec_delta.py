@@ -373,3 +373,21 @@ def test_encode_codes_many_writes_encode_codes_bytes(real_codes, monkeypatch):
                     (torch.tensor([0, 1, 2]), torch.tensor([1, 1]), 4)):
         with pytest.raises(ValueError, match="codes span|codes but prev has"):
             encode_codes_many([(None, seq[0], 16, order0), (p, c, b, order0)])
+
+
+def test_conditional_bits_equals_its_torch_reference(real_codes):
+    # the search's delta estimate: numba counts of narrow codes give the reference's floats exactly
+    from ckptzip.codec import entropy as E
+
+    seq = real_codes["fc2.weight"]
+    g = torch.Generator().manual_seed(5)
+    pairs = [(seq[3], seq[4], 16), (seq[0], seq[5], 16),
+             (torch.randint(0, 300, (7000,), generator=g), torch.randint(0, 250, (7000,), generator=g), 300)]
+    for prev, cur, B in pairs:
+        want = entropy_bits(prev * B + torch.remainder(cur - prev, B)) - entropy_bits(prev)
+        for dtype in (torch.uint8, torch.int16, torch.int64):
+            if B > 256 and dtype == torch.uint8:
+                continue
+            assert E.conditional_bits(prev.to(dtype), cur.to(dtype), B) == want
+    with pytest.raises(ValueError, match="outside"):
+        E.conditional_bits(torch.tensor([0, 5]), torch.tensor([1, 1]), 4)

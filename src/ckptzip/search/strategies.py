@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import dist
-from ..codec.entropy import entropy_bits
+from ..codec.entropy import conditional_bits, entropy_bits
 from ..errors import ConfigError
 from ..tensorbytes import torch_dtype
 from .cube import Candidate, ConfigCube, MonotoneOracle, guided_search, speculate
@@ -107,12 +107,11 @@ def estimate_bits(quantized: dict, reference=None, *, coding: str = "conditional
         p = ref.get(name)
         if p is not None and p.codes.numel() == n:
             B = max(int(q.n_levels), int(p.n_levels))
-            prev = p.codes.reshape(-1).to(codes.device, torch.int64)
-            delta = torch.remainder(codes.long() - prev, B)
-            if coding == "conditional":
-                est += entropy_bits(prev * B + delta) - entropy_bits(prev)  # H(delta | prev code)
+            if coding == "conditional":  # H(delta | prev code)
+                est += conditional_bits(p.codes.reshape(-1).to(codes.device), codes, B)
             else:
-                est += entropy_bits(delta)
+                prev = p.codes.reshape(-1).to(codes.device, torch.int64)
+                est += entropy_bits(torch.remainder(codes.long() - prev, B))
         else:
             est += entropy_bits(codes)
         est += sum(8.0 * v.numel() * v.element_size() for v in q.side.values()) + 32.0 * q.n_levels
