@@ -156,12 +156,16 @@ def encode_codes(prev_codes: torch.Tensor | None, cur_codes: torch.Tensor, n_lev
     if rle:
         stream = _rle.rle_encode(stream)
         flags |= _F_RLE
-    flags |= _CODER_IDS[coder] << 4
+    return _codes_header(flags | _CODER_IDS[coder] << 4, cur.numel(), n_levels) + encode_stream(coder, stream)
+
+
+def _codes_header(flags: int, n: int, n_levels: int) -> bytes:
+    """The sealed ``encode_codes`` header (module docstring) before the coder's buffer."""
     head = bytearray(_CODES_MAGIC)
     head.append(flags)
-    write_varint(head, cur.numel())
+    write_varint(head, n)
     write_varint(head, int(n_levels))
-    return bytes(seal(head)) + encode_stream(coder, stream)
+    return seal(head)
 
 
 def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, int, dict]]) -> list[bytes]:
@@ -193,11 +197,8 @@ def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, in
                                          _joined(prevs) if prevs else None, np.full(len(members), bool(prevs)))
         for i, c, stream in zip(members, curs, streams):
             if stream is not None:  # else: encode_codes below says what is wrong, or takes the general path
-                head = bytearray(_CODES_MAGIC)
-                head.append((_F_DELTA if prevs else 0) | _CODER_IDS["rans"] << 4)
-                write_varint(head, c.size)
-                write_varint(head, int(jobs[i][2]))
-                out[i] = seal(head) + stream
+                flags = (_F_DELTA if prevs else 0) | _CODER_IDS["rans"] << 4
+                out[i] = _codes_header(flags, c.size, jobs[i][2]) + stream
     return [b if b is not None else encode_codes(prev, cur, n_levels, **options)
             for b, (prev, cur, n_levels, options) in zip(out, jobs)]
 
