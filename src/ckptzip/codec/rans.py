@@ -53,7 +53,7 @@ from .huffman import HAVE_NUMBA, _pick
 if HAVE_NUMBA:
     import numba as _numba
 
-    from .streamframe import _count_kernel, _minmax_kernel  # the batch kernel's passes
+    from .streamframe import _count_kernel, _minmax_kernel, _put_varint  # the batch kernel's passes
 
 __all__ = ["rans_encode", "rans_encode_codes", "rans_decode", "normalize_counts", "choose_lanes", "PRECISION_BITS",
            "HAVE_NUMBA"]
@@ -550,15 +550,6 @@ if HAVE_NUMBA:
             else:
                 x2 = xj
         return pos == nw and x0 == _UL and x1 == _UL and x2 == _UL and x3 == _UL
-
-    @_numba.njit(inline="always")
-    def _put_varint(out, pos, v):  # pragma: no cover - compiled
-        while v >= 0x80:
-            out[pos] = np.uint8((v & 0x7F) | 0x80)
-            v >>= 7
-            pos += 1
-        out[pos] = np.uint8(v)
-        return pos + 1
 
     @_numba.njit(cache=True, nogil=True)
     def _alphabets_kernel(cur, prev, offsets, delta, levels, ranks, vals, freqs, vo, ks, Ps, lanes, caps,

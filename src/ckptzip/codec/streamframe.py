@@ -333,17 +333,23 @@ if _numba is not None:
         for j in range(k):
             cnt[j] += c[0, j] + c[1, j] + c[2, j] + c[3, j]
 
+    @_numba.njit(inline="always")
+    def _put_varint(out, pos, v):  # pragma: no cover - compiled
+        """write_varint of v (>= 0) into out at pos -> the position after it."""
+        u = np.uint64(v)  # uint64 throughout: numba types a uint64 mixed with an int64 as float64
+        while u >= np.uint64(0x80):
+            out[pos] = np.uint8((u & np.uint64(0x7F)) | np.uint64(0x80))
+            u >>= np.uint64(7)
+            pos += 1
+        out[pos] = np.uint8(u)
+        return pos + 1
+
     @_numba.njit(cache=True, nogil=True)
     def _pack_varints_kernel(a, out):  # pragma: no cover - compiled
         """LEB128 of each uint64 of a into out (10 bytes a value suffice) -> bytes written."""
         pos = 0
         for v in a:
-            while v >= 0x80:
-                out[pos] = np.uint8((v & np.uint64(0x7F)) | np.uint64(0x80))
-                v >>= np.uint64(7)
-                pos += 1
-            out[pos] = np.uint8(v)
-            pos += 1
+            pos = _put_varint(out, pos, v)
         return pos
 
     @_numba.njit(cache=True, nogil=True)
