@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import struct
 import sys
-import threading
 from collections.abc import Collection
 
 import numpy as np
 
 from ..errors import CorruptCheckpointError
 from .frames import zstd_compress, zstd_decompress
+from .scratch import scratch
 
 try:  # optional fast path; the numpy reference is always available
     import numba as _numba
@@ -164,19 +164,12 @@ def sample_gain(sample, *, backend: str = "auto") -> float:
 
 
 _SCRATCH_MAX = 1 << 23  # planes up to 8 MiB are split into one buffer per thread, reused
-_local = threading.local()
 
 
 def _planes_buffer(width: int, n: int) -> np.ndarray:
     """(width, n) uint8 for :func:`compress`'s planes: a view of this thread's reusable buffer (a fresh
     array per call costs its page faults every time: ~10 % of a small tensor's compress) unless large."""
-    size = width * n
-    if size > _SCRATCH_MAX:
-        return np.empty((width, n), dtype=np.uint8)
-    buf = getattr(_local, "planes", None)
-    if buf is None or buf.size < size:
-        buf = _local.planes = np.empty(max(size, 1 << 16), dtype=np.uint8)
-    return buf[:size].reshape(width, n)
+    return scratch("planes", width * n, np.uint8, keep=_SCRATCH_MAX).reshape(width, n)
 
 
 def raw_planes(blob: bytes | memoryview) -> tuple[int, ...]:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import threading
 
 import numpy as np
 
@@ -49,6 +48,7 @@ from ..errors import CorruptCheckpointError
 from .streamframe import (alphabet_header, as_symbols, open_alphabet_stream, pack_varints, seal, single_value_stream,
                           symbol_counts, write_varint)
 from .huffman import HAVE_NUMBA, _pick
+from .scratch import scratch
 
 if HAVE_NUMBA:
     import numba as _numba
@@ -70,6 +70,7 @@ _LUT_BITS = 12                   # decode table over the slot's top bits: 16 KiB
 _LANE_PAYLOAD = {4: 12_000, 2: 3_000}
 _LANE_BITS = (8 * _LANE_PAYLOAD[4], 8 * _LANE_PAYLOAD[2])  # the kernels' copy
 _MAGIC_BYTES = tuple(_MAGIC)
+_SCRATCH_KEEP = 1 << 24  # rans_encode_codes's buffers kept per thread up to 16 MiB (a large model's: fresh)
 
 
 # =========================================================================== public API
@@ -133,32 +134,16 @@ def rans_encode_codes(cur: np.ndarray, offsets: np.ndarray, n_levels: np.ndarray
     # the symbols, then their ranks, in the narrowest type that holds every level
     top = int(levels.max()) - 1 if n_seg else 0
     dtype = next(t for t in (np.uint8, np.uint16, np.uint32, np.int64) if top <= np.iinfo(t).max)
-    ranks = _scratch(f"ranks.{np.dtype(dtype).name}", cur.size, dtype)
+    ranks = scratch(f"rans.ranks.{np.dtype(dtype).name}", cur.size, dtype, keep=_SCRATCH_KEEP)
     _alphabets_kernel(cur, prev, offsets, delta, levels, ranks, vals, freqs, vo, ks, Ps, lanes, caps, status)
     # each stream's words within rans_encode's bound; the bytes: header, tables, words
     ends = np.cumsum(caps)
-    words = _scratch("words", int(ends[-1] if n_seg else 0), np.uint32)
-    out = _scratch("out", int((4 * caps + 20 * ks + 64).sum()), np.uint8)
+    words = scratch("rans.words", int(ends[-1] if n_seg else 0), np.uint32, keep=_SCRATCH_KEEP)
+    out = scratch("rans.out", int((4 * caps + 20 * ks + 64).sum()), np.uint8, keep=_SCRATCH_KEEP)
     at = np.zeros(n_seg + 1, dtype=np.int64)
     _streams_kernel(offsets, ranks, vals, freqs, vo, ks, Ps, lanes, words, ends, out, at, status)
     view = memoryview(out)
     return [None if status[s] else seal(view[at[s]:at[s + 1]]) for s in range(n_seg)]
-
-
-_local = threading.local()
-_SCRATCH_KEEP = 1 << 24
-
-
-def _scratch(name: str, size: int, dtype) -> np.ndarray:
-    """A reusable buffer of this thread (a fresh one per save would pay its page faults every time);
-    one over _SCRATCH_KEEP bytes is not kept (a large model's codes: memory for the save alone)."""
-    if size * np.dtype(dtype).itemsize > _SCRATCH_KEEP:
-        return np.empty(size, dtype=dtype)
-    buf = getattr(_local, name, None)
-    if buf is None or buf.size < size:
-        buf = np.empty(max(size, 1 << 16), dtype=dtype)
-        setattr(_local, name, buf)
-    return buf[:size]
 
 
 def rans_decode(buf, *, backend: str = "auto") -> np.ndarray:
