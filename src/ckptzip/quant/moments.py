@@ -112,9 +112,14 @@ def _as_2d(shape) -> tuple[int, int] | None:
 
 def grid_codes(v: torch.Tensor, hp: AdamHP, step: float, m: torch.Tensor | None = None) -> torch.Tensor:
     """Absolute grid codes c = round(log2(D / eps) / step), int64 flat; 0 only for v == 0 == m."""
+    return _one_grid(v, hp, step, m)[0].long()
+
+
+def _one_grid(v: torch.Tensor, hp: AdamHP, step: float, m: torch.Tensor | None) -> tuple[torch.Tensor, int | None]:
+    """_grid_codes of one v (and m), each checked finite."""
     vf = _f32(v, "exp_avg_sq")
     mf = None if m is None else _f32(m, "exp_avg")
-    return _grid_codes(vf, _denominator(vf, hp.bc2, hp.eps), hp.eps, step, mf)[0].long()
+    return _grid_codes(vf, _denominator(vf, hp.bc2, hp.eps), hp.eps, step, mf)
 
 
 def _grid_codes(vf: torch.Tensor, D: torch.Tensor, eps: float | torch.Tensor, step: float, mf: torch.Tensor | None
@@ -154,8 +159,7 @@ def _use_kernels(x: torch.Tensor) -> bool:
 def quantize_v(v: torch.Tensor, hp: AdamHP, *, step: float = 0.5, factored: bool = False,
                m: torch.Tensor | None = None) -> QuantizedTensor:
     """v (exp_avg_sq) -> grid codes (factored: zigzag residuals, int16 side ``row``/``col``)."""
-    vf = _f32(v, "exp_avg_sq")
-    c, top = _grid_codes(vf, _denominator(vf, hp.bc2, hp.eps), hp.eps, step, None if m is None else _f32(m, "exp_avg"))
+    c, top = _one_grid(v, hp, step, m)
     return _grid_record(c, v, step, factored, top)
 
 
