@@ -126,18 +126,17 @@ def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, le
 
 
 PROBE_BYTES = 1 << 12  # a plane predicted raw is compressed whole only if this much of it promises a gain
-_PROBE_GAIN = 0.01     # ... of at least this share (a near-random plane's frame is ~100.01 % of it)
+_PROBE_GAIN = 0.01     # ... of at least this share (a near-random plane's histogram promises ~0.6 %)
 _PROBE_BIAS = 0.02     # what the histogram of 4 KiB promises beyond zstd's gain on a near-random plane
 
 
 def _probe(plane: memoryview, level: int, plane_params: bool, min_gain: float = 0.0) -> bytes | memoryview:
     """A plane predicted not to shrink: zstd of it, or the plane itself (stored raw) when the byte
     histogram of its first PROBE_BYTES promises less than ``min_gain`` (plus what it over-promises,
-    ``_PROBE_BIAS``; and 1 %). zstd's frames of a
-    plane are Huffman-coded literals (matches of 7+ bytes are rare in numbers), so the order-0 entropy
-    tells what zstd would save: a histogram costs ~1 us where a zstd probe of 4 KiB cost ~7 us, and
-    a small chain's delta probes ~150 planes. Every save probes, so a plane that becomes
-    compressible is caught at once."""
+    ``_PROBE_BIAS``; and 1 %). zstd's frames of a plane are Huffman-coded literals (matches of 7+
+    bytes are rare in numbers), so the order-0 entropy tells what zstd would save: a histogram costs
+    ~1 us where a zstd probe of 4 KiB cost ~7 us, and a small chain's delta probes ~150 planes.
+    Every save probes, so a plane that becomes compressible is caught at once."""
     if plane.nbytes > PROBE_BYTES and sample_gain(plane[:PROBE_BYTES]) < max(_PROBE_GAIN, min_gain + _PROBE_BIAS):
         return plane
     return zstd_compress(plane, level, plane=plane_params)
@@ -247,7 +246,7 @@ if _numba is not None:
             counts[v] += 1
         return _gain_kernel(counts, sample.size)
 
-if _numba is not None:  # word helpers; W (bytes a word) is a constant of each kernel below, so these unroll
+    # word helpers; W (bytes a word) is a constant of each kernel below, so these unroll
     @_numba.njit(inline="always")
     def _put(o, i, v, W):  # pragma: no cover - compiled
         for b in range(W):
