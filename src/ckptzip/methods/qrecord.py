@@ -29,29 +29,13 @@ class Codes:
     n_levels: int
 
 
-def store(enc: Encoded, name: str, q: QuantizedTensor, prev: Codes | None, *, method: str, coder: str = "huffman",
-          rearrange: bool = True, rle: bool = True, meta: dict | None = None, pack: bool = False,
-          residual: bool = False) -> Codes:
-    """Add record ``name`` holding ``q``; a cyclic delta against ``prev`` when given and same size.
-    ``residual``: ``q`` quantizes the weight minus the parent's reconstruction (stage ``residual/1``;
-    its codes are never a cyclic delta, they mean something else than the parent's).
-    ``pack``: the parts in one blob ``data`` (meta ``parts`` = [[part, nbytes], ...]): every blob
-    costs a file ~100 bytes of header (offsets, SHA-256), which small tensors feel.
-    One record; a method storing many uses :class:`RecordBatch` (the same file, faster)."""
-    batch = RecordBatch(enc)
-    codes = batch.store(name, q, prev, method=method, coder=coder, rearrange=rearrange, rle=rle, meta=meta,
-                        pack=pack, residual=residual)
-    batch.flush()
-    return codes
-
-
 class RecordBatch:
-    """Records stored as :func:`store` stores them, their code streams entropy-coded together at
+    """Quantized records added to one ``Encoded``, their code streams entropy-coded together at
     ``flush`` (``encode_codes_many``: one kernel call for the order-0 streams instead of ~75 us of
     Python each). A record takes its place in ``enc`` (its index, so its blob keys) at ``store``::
 
         batch = RecordBatch(enc)
-        codes = batch.store(name, q, prev, method=...)   # as store(enc, name, ...)
+        codes = batch.store(name, q, prev, method=...)   # what the next save's delta is taken against
         batch.flush()                                    # before enc is written
     """
 
@@ -63,6 +47,11 @@ class RecordBatch:
     def store(self, name: str, q: QuantizedTensor, prev: Codes | None, *, method: str, coder: str = "huffman",
               rearrange: bool = True, rle: bool = True, meta: dict | None = None, pack: bool = False,
               residual: bool = False) -> Codes:
+        """Add record ``name`` holding ``q``; a cyclic delta against ``prev`` when given and same size.
+        ``residual``: ``q`` quantizes the weight minus the parent's reconstruction (stage ``residual/1``;
+        its codes are never a cyclic delta, they mean something else than the parent's).
+        ``pack``: the parts in one blob ``data`` (meta ``parts`` = [[part, nbytes], ...]): every blob
+        costs a file ~100 bytes of header (offsets, SHA-256), which small tensors feel."""
         if residual or (prev is not None and prev.codes.numel() != q.numel):
             prev = None
         B = max(q.n_levels, prev.n_levels) if prev is not None else q.n_levels  # levels may change between saves
@@ -112,7 +101,8 @@ ORDER0_CODER = "rans" if HAVE_NUMBA else "ans"
 
 
 def is_residual(enc: Encoded, name: str) -> bool:
-    """Whether record ``name`` quantizes a residual against the parent's reconstruction (``store(residual=True)``)."""
+    """Whether record ``name`` quantizes a residual against the parent's reconstruction
+    (``RecordBatch.store(residual=True)``)."""
     return S.RESIDUAL.descriptor in enc.records[name]["pipeline"]
 
 
