@@ -2,6 +2,7 @@
 the plain-torch per-tensor reference: the same plan, codes, codebooks and protected values."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -129,3 +130,38 @@ def test_cuda_gives_the_cpu_kernels_result(snap):
         q.codes, q.codebook = q.codes.cpu(), q.codebook.cpu()
         q.side = {k: v.cpu() for k, v in q.side.items()}
         assert _same(cpu[n], q), n
+
+
+def test_search_sketch_estimates_candidates_in_one_batch_as_one_by_one(snap):
+    """estimate_many clusters the distinct rows of all candidates together; each candidate's
+    estimate must be the one it gets alone (a row's k-means does not depend on the batch)."""
+    from ckptzip.methods import qrecord
+    from ckptzip.quant.dqsearch import SearchSketch
+
+    specs = {n: v for n, v in _specs(snap).items() if n != "fc1.bias"}
+    base = dq.DynaQuantConfig()
+    prev = quantize_tensors(specs, replace(base, bins=8), snap.grads)[1]
+    ref = {n: qrecord.Codes(q.codes, q.n_levels) for n, q in prev.items()}
+    cands = [{"bins": 4}, {"bins": 16}, {"bins": 4, "prune_fraction": 0.3}, {"bins": 4, "protect_fraction": 0.01},
+             {"bins": 4, "embedding_bins": 32}, {"bins": 4}, {"domain": "sqrt"}, {"sigma": 0.5, "bins": 16}]
+    for coding, reference in (("plain", None), ("conditional", ref), ("delta", ref)):
+        prep = SearchSketch(specs, base, snap.grads, reference, coding)
+        many = prep.estimate_many(cands)
+        alone = [SearchSketch(specs, base, snap.grads, reference, coding).estimate(k) for k in cands]
+        assert many == alone, coding
+        assert many[0] == many[5] and len({e for e, _ in many}) > 4
+
+
+def test_level_bounds_row_by_row():
+    from ckptzip.quant.levels import level_bounds
+
+    g = torch.Generator().manual_seed(3)
+    for domain in ("identity", "sqrt", "log"):
+        rows = [torch.sort(torch.randn(n, generator=g)).values.float() for n in (1, 3, 7)]
+        if domain == "log":
+            rows = [r.exp().log() for r in rows]
+        pad = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=math.inf)
+        b = level_bounds(pad, domain)
+        for i, r in enumerate(rows):
+            one = level_bounds(r, domain)
+            assert torch.equal(b[i, :one.numel()], one) and bool(torch.isinf(b[i, one.numel():]).all())

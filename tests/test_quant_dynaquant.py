@@ -237,3 +237,28 @@ def test_prune_cap_keeps_a_small_magnitude_layer_alive():
     assert pruned(paper, "small", small) > 0.8           # the paper's per-type threshold takes most of it
     assert abs(pruned(capped, "small", small) - 0.5) < 0.02
     assert pruned(capped, "big", big) == pytest.approx(pruned(paper, "big", big), abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.int64])
+def test_dequantize_kernel_is_the_reference(ckpt, dtype):
+    """The numba lookup (every narrow code dtype) gives the plain-torch reference's tensor, and a
+    wrong protected count or a code past the codebook raises the reference's error."""
+    from ckptzip.quant.dynaquant import dequantize_reference
+
+    x = ckpt.model["fc1.weight"]
+    plan = fit_layer_thresholds({"fc1.weight": (x, "linear")}, DynaQuantConfig(bins=8, protect_fraction=0.01))
+    q = quantize(x, "fc1.weight", plan)
+    q = replace(q, codes=q.codes.to(dtype), dtype="bfloat16")
+    assert q.meta["n_protected"] > 0
+    y = dequantize(q)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, dequantize_reference(q))
+    short = replace(q, side={"protected": q.side["protected"][:-1]})
+    with pytest.raises(ValueError, match="protected values"):
+        dequantize(short)
+    extra = replace(q, side={"protected": torch.cat([q.side["protected"], q.side["protected"][:1]])})
+    with pytest.raises(ValueError, match="protected values"):
+        dequantize(extra)
+    bad = q.codes.clone()
+    bad.view(-1)[5] = q.n_levels + 3
+    with pytest.raises(IndexError):
+        dequantize(replace(q, codes=bad))

@@ -199,6 +199,28 @@ def test_judge_leaves_live_model_rng_and_mode_alone(run):
     judge.close()
 
 
+def test_judge_reloads_only_what_changed_and_restores_the_rest(run):
+    """After the exact state, the judge copies only the replaced tensors into its scratch; a tensor
+    replaced in one trial and not the next must be back to its exact value (scores equal a fresh
+    judge's), and a module with its own load hook keeps load_state_dict."""
+    snaps, _ = run
+    live = _live(snaps[4])
+    flat = _flat(snaps[2], live)
+
+    def weights(m):  # sees every weight, so a stale replacement changes the score
+        return float(sum(p.detach().double().abs().sum() * (i + 1) for i, p in enumerate(m.parameters())))
+
+    judge = QualityJudge(live, weights, flat)
+    assert judge._targets is not None
+    zeros = {n: torch.zeros_like(flat.tensors[n]) for n in ("model/fc1.weight", "model/fc2.weight")}
+    half = {"model/fc2.weight": flat.tensors["model/fc2.weight"] * 0.5}
+    for reps in (zeros, half, {}, zeros, {}):
+        assert judge.score(reps) == QualityJudge(live, weights, flat).score(reps)
+    assert judge.score({}) == judge.baseline
+    live.fc1.register_load_state_dict_post_hook(lambda module, keys: None)
+    assert QualityJudge(live, weights, flat)._targets is None
+
+
 def test_exhaustive_search_is_feasible_and_cheap(run):
     snaps, eval_fn = run
     snap = snaps[3]

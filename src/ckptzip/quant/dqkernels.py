@@ -8,6 +8,8 @@ protected values equal)::
 
     bad = partition_hist_kernel(...)   # quantized-value histogram rows, pruned / protected counts
     assign_kernel(...)                 # codes and the protected values in index order
+
+and the decoder's lookup, ``dequantize_kernel`` (reference: ``dynaquant.dequantize_reference``).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ if HAVE_NUMBA:
 
     from ..logbuckets import bucket_fold, emit_counts
 
-__all__ = ["partition_hist_kernel", "assign_kernel"]
+__all__ = ["partition_hist_kernel", "assign_kernel", "dequantize_kernel"]
 
 if HAVE_NUMBA:
     @_numba.njit(cache=True, nogil=True, inline="always")
@@ -122,3 +124,27 @@ if HAVE_NUMBA:
                         q += 1
 else:  # pragma: no cover
     partition_hist_kernel = assign_kernel = None
+
+
+if HAVE_NUMBA:
+    @_numba.njit(cache=True, nogil=True)
+    def dequantize_kernel(codes, codebook, top, prot, out):  # pragma: no cover - compiled
+        """out[i] = codebook[codes[i]], or the next protected value where codes[i] == top. Returns
+        the protected values used; -1 when codes ``top`` outnumber them, -2 for a code outside the
+        codebook (a file's codes are not trusted: no read past the arrays)."""
+        j = 0
+        n_cb = codebook.shape[0]
+        for i in range(codes.shape[0]):
+            c = codes[i]
+            if c == top:
+                if j >= prot.shape[0]:
+                    return -1
+                out[i] = prot[j]
+                j += 1
+            elif c < 0 or c >= n_cb:
+                return -2
+            else:
+                out[i] = codebook[c]
+        return j
+else:  # pragma: no cover
+    dequantize_kernel = None

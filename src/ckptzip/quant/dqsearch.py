@@ -65,6 +65,9 @@ class SearchSketch:
         if coding != "plain" and reference:
             self.joint = joint_counts(self.sk, {n: rows[n][2] for n in self.names}, reference)
         self.prev_levels = {n: int(reference[n].n_levels) for n in self.names if reference and n in reference}
+        self._index = {n: i for i, n in enumerate(self.names)}
+        self._mag: dict[str, LogSketch] = {}            # layer type -> merged |x| sketch
+        self._cap: dict[tuple, list[float]] = {}        # (layer type, quantile) -> per-row caps
 
     # ------------------------------------------------------------------ candidates
     def config(self, knobs: dict) -> dq.DynaQuantConfig:
@@ -77,21 +80,42 @@ class SearchSketch:
 
     def estimate(self, knobs: dict) -> tuple[float, float]:
         """(estimated encoded bits, raw bits) of the candidate, from the histograms alone."""
-        cfg = self.config(knobs)
+        return self.estimate_many([knobs])[0]
+
+    def estimate_many(self, knobs_list: list[dict]) -> list[tuple[float, float]]:
+        """``estimate`` of every candidate, their histograms clustered in one batch: a row (tensor)
+        whose thresholds and level count two candidates share is clustered once, and a row's
+        result does not depend on the batch, so each estimate is the one ``estimate`` gives."""
+        cfgs = [self.config(k) for k in knobs_list]
         R = len(self.names)
         if R == 0:
-            return 0.0, 0.0
-        prune, protect, bins = self._thresholds(cfg)                          # (R,) float64, (R,)
-        a = self.rep.abs()
-        valid = torch.arange(self.rep.shape[1])[None, :] < self.nb[:, None]
-        pruned = valid & ((self.rep == 0) | (a < prune[:, None]))
-        protected = valid & (a > protect[:, None]) & ~pruned
+            return [(0.0, 0.0)] * len(cfgs)
+        th = [self._thresholds(cfg) for cfg in cfgs]                         # (R,) float64, (R,)
+        # the distinct (row, prune, protect, bins, k-means settings) of all candidates
+        fits = list(dict.fromkeys(_fit_key(cfg) for cfg in cfgs))
+        fit = torch.tensor([fits.index(_fit_key(cfg)) for cfg in cfgs], dtype=torch.float64)
+        rows = torch.arange(R, dtype=torch.float64)
+        cols = [torch.stack([rows, p, q, b.double(), torch.full_like(rows, float(f))], 1)
+                for (p, q, b), f in zip(th, fit.tolist())]
+        u, slot = torch.unique(torch.cat(cols), dim=0, return_inverse=True)  # (U, 5), (C * R,)
+        row = u[:, 0].long()
+        rep, nb, cnt = self.rep[row], self.nb[row], self.counts[row]
+        a = rep.abs()
+        valid = torch.arange(rep.shape[1])[None, :] < nb[:, None]
+        pruned = valid & ((rep == 0) | (a < u[:, 1:2]))
+        protected = valid & (a > u[:, 2:3]) & ~pruned
         quant = valid & ~pruned & ~protected
-        codes, k = self._codes(cfg, quant, bins)                              # (R, B) int64, (R,)
-        L = int(k.max()) + 2
+        codes, k = self._codes(row, u[:, 3].long(), [fits[int(f)] for f in u[:, 4]], cfgs, quant, rep)
         codes = torch.where(pruned, 0, torch.where(protected, k[:, None] + 1, codes))
-        cnt = torch.where(valid, self.counts, 0)
-        est = 32.0 * float((k + 2).sum()) + 16.0 * float((cnt * protected).sum())
+        cnt = torch.where(valid, cnt, 0)
+        side = 32.0 * (k + 2).double() + 16.0 * (cnt * protected).sum(1).double()   # (U,)
+        return [(self._entropy(codes[s], k[s], cnt[s], float(side[s].sum())), self.raw_bits)
+                for s in slot.reshape(len(cfgs), R)]
+
+    def _entropy(self, codes: torch.Tensor, k: torch.Tensor, cnt: torch.Tensor, est: float) -> float:
+        """``est`` plus the coded size of one candidate's bucket codes (R, B) by the search's coding."""
+        R = len(self.names)
+        L = int(k.max()) + 2
         keyrows = torch.ones(R, dtype=torch.bool)
         if self.joint is not None and self.joint[0].numel():
             r, p, b, c = self.joint
@@ -109,27 +133,23 @@ class SearchSketch:
             rr = torch.arange(R)[keyrows]
             est += _nlogn(cnt[rr].sum(1).double()) + \
                 _neg_clogc((rr[:, None] * L + codes[rr]).reshape(-1), cnt[rr].reshape(-1), R * L)
-        return est, self.raw_bits
+        return est
 
     # ------------------------------------------------------------------ internals
     def _thresholds(self, cfg: dq.DynaQuantConfig):
         """Per row: prune below (float64), protect above, bins -- magnitude thresholds of the layer
         type (protection: the top F_prot by magnitude), capped per tensor as the quantizer does."""
-        rows = self.sk.rows()
         cap_q = dq.prune_cap_quantile(cfg)
         prune = torch.full((len(self.names),), -math.inf, dtype=torch.float64)
         protect = torch.full_like(prune, math.inf)
         bins = torch.empty(len(self.names), dtype=torch.int64)
-        index = {n: i for i, n in enumerate(self.names)}
         for lt, items in self.sk.groups.items():
-            mag = LogSketch.from_counts(torch.cat([rows[n][0][0] for n in items]),
-                                        torch.cat([rows[n][0][1] for n in items]), cfg.alpha)
-            ltp = dq.layer_type_plan(lt, 0, mag, None, cfg)
+            ltp = dq.layer_type_plan(lt, 0, self._type_sketch(lt), None, cfg)
             caps = [math.inf] * len(items)
             if cap_q is not None and lt != "embedding":
-                caps = row_quantiles([rows[n][0] for n in items], cap_q, cfg.alpha)
+                caps = self._caps(lt, cap_q)
             for n, cap in zip(items, caps):
-                i = index[n]
+                i = self._index[n]
                 if ltp.prune_threshold is not None:
                     prune[i] = min(ltp.prune_threshold, cap)
                 if ltp.protect_magnitude is not None:
@@ -137,24 +157,51 @@ class SearchSketch:
                 bins[i] = ltp.bins
         return prune, protect, bins
 
-    def _codes(self, cfg, quant: torch.Tensor, bins: torch.Tensor):
-        """Code of every bucket (by its representative) and the level count k per row."""
-        R, B = self.ords.shape
-        nq = quant.sum(1)
-        centers: list[torch.Tensor | None] = [None] * R
-        for k in bins.unique().tolist():
-            rows = [r for r in range(R) if int(bins[r]) == k]
-            ords = torch.cat([self.ords[r][quant[r]] for r in rows])
-            counts = torch.cat([self.counts[r][quant[r]] for r in rows])
-            ptr = torch.cat([torch.zeros(1, dtype=torch.int64), nq[rows].cumsum(0)])
-            for r, c in zip(rows, histogram_centers(ords, counts, ptr, k, cfg)):
-                centers[r] = c
+    def _type_sketch(self, lt: str) -> LogSketch:
+        """The merged |x| sketch of a layer type (the same for every candidate)."""
+        if lt not in self._mag:
+            rows = self.sk.rows()
+            items = self.sk.groups[lt]
+            self._mag[lt] = LogSketch.from_counts(torch.cat([rows[n][0][0] for n in items]),
+                                                  torch.cat([rows[n][0][1] for n in items]), self.base.alpha)
+        return self._mag[lt]
+
+    def _caps(self, lt: str, q: float) -> list[float]:
+        if (lt, q) not in self._cap:
+            rows = self.sk.rows()
+            self._cap[lt, q] = row_quantiles([rows[n][0] for n in self.sk.groups[lt]], q, self.base.alpha)
+        return self._cap[lt, q]
+
+    def _codes(self, row: torch.Tensor, bins: torch.Tensor, fit: list[tuple], cfgs, quant: torch.Tensor,
+               rep: torch.Tensor):
+        """Code of every bucket (by its representative) and the level count k of distinct rows
+        (tensor ``row`` with level count ``bins`` and k-means settings ``fit``, its buckets to
+        cluster ``quant``): one k-means batch per (bins, settings)."""
+        cfg_of = {_fit_key(cfg): cfg for cfg in cfgs}
+        U = row.numel()
+        ords, counts, nq = self.ords[row], self.counts[row], quant.sum(1)
+        centers: list[torch.Tensor | None] = [None] * U
+        groups: dict[tuple, list[int]] = {}
+        for i, key in enumerate(zip(bins.tolist(), fit)):
+            groups.setdefault(key, []).append(i)
+        for (k, f), idx in groups.items():
+            m = quant[idx]
+            ptr = torch.cat([torch.zeros(1, dtype=torch.int64), nq[idx].cumsum(0)])
+            for i, c in zip(idx, histogram_centers(ords[idx][m], counts[idx][m], ptr, k, cfg_of[f])):
+                centers[i] = c
         k = torch.tensor([c.numel() for c in centers], dtype=torch.int64)
-        bounds = torch.full((R, max(1, int(k.max()) - 1)), math.inf, dtype=torch.float64)
-        for r, c in enumerate(centers):
-            b = level_bounds(c, cfg.domain)
-            bounds[r, :b.numel()] = b.double()
-        return 1 + torch.searchsorted(bounds, self.rep.contiguous()), k
+        pad = torch.nn.utils.rnn.pad_sequence(centers, batch_first=True, padding_value=math.inf)
+        bounds = torch.full((U, max(1, int(k.max()) - 1)), math.inf, dtype=torch.float64)
+        for d in {f[0] for f in fit}:
+            sel = [i for i, f in enumerate(fit) if f[0] == d]
+            b = level_bounds(pad[sel], d).double()
+            bounds[sel, :b.shape[1]] = b
+        return 1 + torch.searchsorted(bounds, rep.contiguous()), k
+
+
+def _fit_key(cfg: dq.DynaQuantConfig) -> tuple:
+    """The settings a row's clustering depends on besides its histogram and level count."""
+    return (cfg.domain, cfg.kmeans, cfg.sigma, cfg.seed)
 
 
 def _neg_clogc(cells: torch.Tensor, counts: torch.Tensor, size: int) -> float:

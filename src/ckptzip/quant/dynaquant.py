@@ -78,6 +78,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from ..configcheck import OneOf, Range, check_fields
@@ -88,6 +89,7 @@ from ..sketch import LogSketch
 from ..tensorbytes import dtype_name, torch_dtype
 from .base import MIN_NUMEL_RANGE, QuantizedTensor, all_finite, apply_codebook
 from .adam import adam_denominator, adam_direction_error, denormalize_exp_avg, normalize_exp_avg  # noqa: F401
+from .dqkernels import dequantize_kernel
 from .levels import DOMAINS
 from .levels import from_domain as _from_domain
 from .levels import histogram_centers, level_bounds
@@ -453,7 +455,24 @@ def quantize_tensors(tensors: Mapping[str, tuple], config: DynaQuantConfig = Dyn
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
-    """Codebook lookup with the protected values put back; x's shape and dtype."""
+    """Codebook lookup with the protected values put back; x's shape and dtype. On CPU one numba
+    pass (``dqkernels.dequantize_kernel``); ``dequantize_reference`` is the same in plain torch and
+    raises its errors."""
+    if dequantize_kernel is None or q.codes.device.type != "cpu":
+        return dequantize_reference(q)
+    codes = q.codes.reshape(-1).contiguous()
+    prot = q.side.get("protected")
+    prot = np.zeros(0, np.float32) if prot is None else prot.reshape(-1).to("cpu", torch.float32).numpy()
+    out = torch.empty(codes.numel(), dtype=torch.float32)
+    used = dequantize_kernel(codes.numpy(), q.codebook.to("cpu", torch.float32).contiguous().numpy(),
+                             q.n_levels - 1, prot, out.numpy())
+    if used != prot.shape[0]:
+        return dequantize_reference(q)  # the reference names what is wrong
+    return out.reshape(q.shape).to(torch_dtype(q.dtype))
+
+
+def dequantize_reference(q: QuantizedTensor) -> torch.Tensor:
+    """``dequantize`` in plain torch (any device)."""
     out = apply_codebook(q.codes, q.codebook.to(q.codes.device))
     pmask = q.codes == q.n_levels - 1
     prot = q.side.get("protected")

@@ -68,8 +68,10 @@ def level_bounds(centers_f: torch.Tensor, domain: str) -> torch.Tensor:
     """(k-1,) float32 boundaries between sorted domain centers, in x's own domain: a quantized
     value x takes level 1 + #(bounds < x), the nearest center in the domain (a tie goes down).
     f^-1 of each midpoint in float64, rounded *down* to float32, so that for float32 x,
-    x > bound32 exactly when x > the float64 boundary."""
-    c = centers_f.detach().reshape(-1).to(torch.float64)
-    b = from_domain((c[1:] + c[:-1]) * 0.5, domain)
+    x > bound32 exactly when x > the float64 boundary. (R, k) centers give (R, k-1) boundaries
+    row by row (a row padded with +inf centers gets +inf boundaries there)."""
+    c = centers_f.detach().to(torch.float64)
+    c = c if c.dim() == 2 else c.reshape(-1)
+    b = from_domain((c[..., 1:] + c[..., :-1]) * 0.5, domain)
     b32 = b.to(torch.float32)
     return torch.where(b32.double() > b, torch.nextafter(b32, torch.full_like(b32, -math.inf)), b32)

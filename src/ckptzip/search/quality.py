@@ -170,6 +170,20 @@ def scratch_copy(model: nn.Module) -> nn.Module:
     return scratch
 
 
+def _plain_targets(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The tensors ``load_state_dict`` copies into, by key, when copying is all it does: no load
+    hooks, every module's ``_load_from_state_dict`` nn.Module's own, plain tensors (no DTensor,
+    no lazy parameter). None otherwise."""
+    for m in model.modules():
+        if type(m)._load_from_state_dict is not nn.Module._load_from_state_dict or \
+                m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
+            return None
+    targets = model.state_dict(keep_vars=True)
+    if not all(type(v) in (torch.Tensor, nn.Parameter) for v in targets.values()):
+        return None
+    return dict(targets)
+
+
 def model_skeleton(state: FlatState):
     """The skeleton of the state's ``model`` entry (None if the state has none)."""
     sk = state.skeleton
@@ -220,6 +234,9 @@ class QualityJudge:
         self._model_records = {n for n, r in state.records.items() if n.startswith("model/")}
         self._scratch = scratch_copy(model)
         self._modes = [(m, m.training) for m in self._scratch.modules()]
+        self._targets = _plain_targets(self._scratch)  # key -> scratch tensor, None: load_state_dict only
+        self._base: dict | None = None                 # the exact state_dict, loaded by the first run
+        self._dirty: set[str] = set()                  # keys the scratch holds a replacement of
         self._outputs: Outputs | None = None  # the exact state's outputs (output-fidelity mode)
         first = _as_outputs(self._run({}))
         if isinstance(first, Outputs):
@@ -254,8 +271,24 @@ class QualityJudge:
             sd = {k[len(self._prefix):] if k.startswith(self._prefix) else k: v for k, v in sd.items()}
         return sd
 
+    def _load(self, sd: dict[str, torch.Tensor], exact: bool) -> None:
+        """load_state_dict(sd); once the exact state is in, a plain module (no load hooks, no
+        ``_load_from_state_dict`` of its own) only gets the tensors that differ from what it holds."""
+        t, base = self._targets, self._base
+        if base is None or t is None or sd.keys() != t.keys() or \
+                any(v.shape != t[k].shape for k, v in sd.items() if v is not base[k]):
+            self._scratch.load_state_dict(sd)
+            self._base, self._dirty = (sd, set()) if exact else (base, set(sd))
+            return
+        with torch.no_grad():
+            for k, v in sd.items():
+                same = v is base[k]
+                if not same or k in self._dirty:
+                    t[k].copy_(v)
+                (self._dirty.discard if same else self._dirty.add)(k)
+
     def _run(self, replacements: Mapping[str, torch.Tensor]):
-        self._scratch.load_state_dict(self.state_dict(replacements))
+        self._load(self.state_dict(replacements), not replacements)
         try:
             # off the main thread (async saves' search thread) the global RNG belongs to the training
             # loop: restoring it would rewind the loop's stream, so it is left alone (asyncsearch.py)

@@ -28,9 +28,10 @@ gradients)`` -> {name: QuantizedTensor}, ``search_dequantize(q, name)`` (what th
 a residual's base added), and ``search_coding``: how its
 encoder codes the codes, for the ratio estimate. Optionally ``search_prepare(state, reference,
 gradients)`` -> an object with ``quantize(knobs)`` and ``estimate(knobs) -> (est_bits,
-raw_bits)`` (or None): the work shared by every candidate of one checkpoint, done once (DynaQuant's
-quant/dqsearch.py sketches each weight once and estimates candidates from the histograms without
-quantizing; without it each estimate quantizes).
+raw_bits)`` (or None), and optionally ``estimate_many(knobs_list)``, the same for a list at once:
+the work shared by every candidate of one checkpoint, done once (DynaQuant's quant/dqsearch.py
+sketches each weight once and estimates candidates from the histograms without quantizing, a
+neighbourhood in one batch; without it each estimate quantizes).
 
 Ratio estimate (for ordering and for picking among feasible configs): per quantized weight,
 ``search_coding`` = "conditional": the order-0 entropy of its codes (keyframe) or the conditional
@@ -38,7 +39,9 @@ entropy H(delta | previous code) of its cyclic delta against the reference codes
 the rearranged delta encoder exploits (its groups are the previous code's buckets); "delta":
 H(delta) (QD: Huffman on the plain cyclic delta); "plain": H(codes) (no delta). Plus the side
 tensors' raw bits (protected values, outliers, per-row ranges) and 32 bits per codebook entry.
-bench/search.py measures its rank correlation with the real encoded sizes.
+bench/search.py measures its rank correlation with the real encoded sizes. A candidate keeps the
+estimate it was first given: the neighbourhood's histogram estimates (``estimate_many``) stay
+those of its evaluated trials; the exhaustive search estimates each trial from its quantized codes.
 
 Call order (methods/quantizing.py ``QuantizingMethod.choose_knobs``)::
 
@@ -160,7 +163,8 @@ class TrialRunner:
 
     def _trial_row(self, c: Candidate) -> list[float]:
         q = self._quantize(c)
-        est, raw = self._estimate(q)
+        # a candidate estimated for the ordering keeps that estimate (one figure per candidate)
+        est, raw = self._estimates[c] if c in self._estimates else self._estimate(q)
         v = self.judge.check({n: self.method.search_dequantize(qt, n) for n, qt in q.items()})
         self.local_evals += 1
         return [float(v.feasible), v.degradation, v.score, est, raw]
@@ -189,6 +193,12 @@ class TrialRunner:
     def estimates(self, cands: list[Candidate]) -> dict[Candidate, tuple[float, float]]:
         """(est_bits, raw_bits) of each candidate (quantize only, ``size`` per round)."""
         todo = list(dict.fromkeys(c for c in cands if c not in self._estimates))
+        many = getattr(self.prepared, "estimate_many", None)
+        if many is not None and self.size == 1 and todo:  # one batch: histograms only, no rounds
+            for c, er in zip(todo, many([c.knobs() for c in todo])):
+                self._estimates[c] = er
+            self.n_estimates += len(todo)
+            todo = []
         for i in range(0, len(todo), self.size):
             chunk = todo[i:i + self.size]
             rows = dist.gather_round(chunk, self._estimate_row, width=2, group=self.group)
