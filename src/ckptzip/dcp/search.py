@@ -127,7 +127,7 @@ class ShardedTrialRunner(TrialRunner):
 
     def _trial_row(self, c) -> list[float]:
         q = self._quantize(c)
-        est, raw = self._estimate(q)
+        est, raw = self._trial_estimate(c, q)  # the same on every rank: the estimates were gathered
         v = self.judge.check({n: self.method.search_dequantize(qt) for n, qt in q.items() if self.judge.covers(n)})
         self.local_evals += 1
         return [float(v.feasible), v.degradation, v.score, est, raw]

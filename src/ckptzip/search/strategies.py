@@ -161,10 +161,13 @@ class TrialRunner:
             return list(self.prepared.estimate(c.knobs()))
         return list(self._estimate(self._quantize(c)))
 
+    def _trial_estimate(self, c: Candidate, q: dict) -> tuple[float, float]:
+        """A candidate estimated for the ordering keeps that estimate (one figure per candidate)."""
+        return self._estimates[c] if c in self._estimates else self._estimate(q)
+
     def _trial_row(self, c: Candidate) -> list[float]:
         q = self._quantize(c)
-        # a candidate estimated for the ordering keeps that estimate (one figure per candidate)
-        est, raw = self._estimates[c] if c in self._estimates else self._estimate(q)
+        est, raw = self._trial_estimate(c, q)
         v = self.judge.check({n: self.method.search_dequantize(qt, n) for n, qt in q.items()})
         self.local_evals += 1
         return [float(v.feasible), v.degradation, v.score, est, raw]
