@@ -375,6 +375,19 @@ def test_encode_codes_many_writes_encode_codes_bytes(real_codes, monkeypatch):
             encode_codes_many([(None, seq[0], 16, order0), (p, c, b, order0)])
 
 
+def test_entropy_bits_counts_by_numba_as_bincount(real_codes, monkeypatch):
+    """Narrow codes on CPU are counted by a numba pass: the same counts as torch's bincount, so the
+    same floats, for every integer dtype (negative values included)."""
+    from ckptzip.codec import entropy as E
+
+    g = torch.Generator().manual_seed(3)
+    streams = [(c, d) for c in real_codes["fc2.weight"][:3] for d in (torch.uint8, torch.int16, torch.int64)]
+    streams += [(torch.randint(-120, 100, (5000,), generator=g), d) for d in (torch.int8, torch.int16, torch.int32)]
+    fast = [E.entropy_bits(c.to(d)) for c, d in streams]
+    monkeypatch.setattr(E, "_numba_hist", None)
+    assert fast == [E.entropy_bits(c.to(d)) for c, d in streams] and all(f > 0 for f in fast)
+
+
 def test_conditional_bits_equals_its_torch_reference(real_codes):
     # the search's delta estimate: numba counts of narrow codes give the reference's floats exactly
     from ckptzip.codec import entropy as E
