@@ -27,12 +27,15 @@ Workloads (states built by this file with torch + transformers only, so v0.1 see
 
 Also:
   memory  peak extra memory of one dynaquant / lossless save of the gpt2 state, in a fresh
-          process (VmHWM reset before the save, minus VmRSS at its start) / the state's bytes.
+          process (VmHWM reset before the save, minus VmRSS at its start) / the state's bytes;
+          "dynaquant+search": the chain's first save with the config search (exhaustive: 3 trials),
+          the live model beside it.
   checksums  lossless saves of the small chain with each blob checksum (format.CHECKSUMS), side by
           side in one process, each rep interleaved with zstd-3 over the same bytes.
   search  dynaquant with the config search on the small chain (the workload's validation loss,
           --threshold): search seconds beyond the eval_fn calls vs the fixed-config save, and the
           evaluations per steady-state checkpoint.
+  search-gpt2  the same on the gpt2 pair (eval_fn: the loss of one 64-token batch).
 
 Timings on the shared 2-core development machine are noisy (other jobs; torch suffers more than
 zstd); the figures in docs/BENCHMARKS.md are to be re-run on a quiet machine.
@@ -128,6 +131,13 @@ def n_params(state: dict) -> int:
 
 
 # ----------------------------------------------------------------------------- measurement (old or new ckptzip)
+def state_nbytes(state: dict) -> int:
+    """Bytes of a state's model and optimizer-state tensors (what a save's peak memory is divided by)."""
+    n = sum(t.numel() * t.element_size() for t in state["model"].values())
+    return n + sum(t.numel() * t.element_size() for st in state["optimizer"]["state"].values()
+                   for t in st.values() if isinstance(t, torch.Tensor))
+
+
 def raw_bytes(state: dict) -> bytes:
     from ckptzip.state import flatten_state
     from ckptzip.tensorbytes import tensor_to_bytes
@@ -283,27 +293,38 @@ def table(title: str, res: dict, old: dict | None, n_ckpt: int) -> None:
 MEMORY_CHILD = r"""
 import sys, gc, time, tempfile, torch
 sys.path.insert(0, sys.argv[4])
-from speed import gpt2_states
+from speed import gpt2_states, state_nbytes, vm_bytes
 torch.set_num_threads(int(sys.argv[3]))
 state = gpt2_states(int(sys.argv[2]))[0]
 from ckptzip.chain import CheckpointChain
-nbytes = sum(t.numel() * t.element_size() for t in state["model"].values())
-nbytes += sum(t.numel() * t.element_size() for st in state["optimizer"]["state"].values()
-              for t in st.values() if isinstance(t, torch.Tensor))
+nbytes = state_nbytes(state)
+ctx = None
+if sys.argv[1].endswith("+search"):  # the first save's exhaustive search: 3 trials of the whole model
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from ckptzip.methods.base import EncodeContext
+    from speed import stdlib_bytes
+    b = stdlib_bytes(400_000)
+    val = ((b[:-1] * 256 + b[1:]) % 50257)[-64:].reshape(1, 64)
+    model = GPT2LMHeadModel(GPT2Config())
+    model.load_state_dict(state["model"])
+
+    @torch.no_grad()
+    def eval_fn(m):
+        m.eval()
+        out = float(m(input_ids=val, labels=val).loss)
+        m.train()
+        return out
+    eval_fn(model)
+    ctx = EncodeContext(step=1, model=model, eval_fn=eval_fn, threshold=0.01)
 gc.collect()
-def status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # reset the high-water mark: VmHWM is then the peak of the save alone
-base = status("VmRSS")
+base = vm_bytes("VmRSS")
 with tempfile.TemporaryDirectory() as d:
     t = time.perf_counter()
-    CheckpointChain(d + "/c", sys.argv[1]).save(state, 1)
+    CheckpointChain(d + "/c", sys.argv[1].split("+")[0]).save(state, 1, ctx=ctx)
     el = time.perf_counter() - t
-print(f"JSON{nbytes} {base} {status('VmHWM')} {el}")
+print(f"JSON{nbytes} {base} {vm_bytes('VmHWM')} {el}")
 """
 
 
@@ -311,7 +332,7 @@ def memory(args) -> None:
     from compare import md_table
 
     rows = []
-    for method in ("dynaquant", "lossless"):
+    for method in ("dynaquant", "dynaquant+search", "lossless"):
         r = subprocess.run([sys.executable, "-c", MEMORY_CHILD, method, str(args.big_steps), str(args.threads),
                             os.path.dirname(os.path.abspath(__file__))], capture_output=True, text=True,
                            env=dict(os.environ, PYTHONPATH=_SRC))
@@ -357,18 +378,25 @@ def checksums(args, states: list[dict]) -> None:
     print(md_table(["checksum", "format version", "save x zstd-3"], rows))
 
 
-def search(args, states: list[dict]) -> None:
-    """The config search's cost beyond eval_fn, against a fixed-config save, on the small chain."""
+def search(args, states: list[dict], *, big: bool = False) -> None:
+    """The config search's cost beyond eval_fn, against a fixed-config save: the small chain, or
+    (``big``) the GPT-2 124M pair."""
     from compare import md_table
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from ckptzip.chain import CheckpointChain
     from ckptzip.methods.base import EncodeContext
 
-    text = stdlib_bytes(1_000_000)[-60_000:]
     g = torch.Generator().manual_seed(7)
-    val = [torch.stack([text[s:s + 64] for s in torch.randint(0, text.numel() - 64, (16,), generator=g).tolist()])
-           for _ in range(2)]
+    if big:  # one batch of 64 byte-pair tokens, as gpt2_states maps the text
+        b = stdlib_bytes(400_000)
+        val = [((b[:-1] * 256 + b[1:]) % 50257)[-64:].reshape(1, 64)]
+        model = GPT2LMHeadModel(GPT2Config())
+    else:
+        text = stdlib_bytes(1_000_000)[-60_000:]
+        val = [torch.stack([text[s:s + 64] for s in torch.randint(0, text.numel() - 64, (16,), generator=g).tolist()])
+               for _ in range(2)]
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=96, n_layer=4, n_head=4, n_positions=64))
     spent = [0.0]
 
     @torch.no_grad()
@@ -381,45 +409,57 @@ def search(args, states: list[dict]) -> None:
         spent[0] += time.thread_time() - t
         return out
 
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=96, n_layer=4, n_head=4, n_positions=64))
+    def ctx(i, searching):
+        return EncodeContext(step=i + 1, model=model, eval_fn=eval_fn, threshold=args.threshold) if searching else None
+
+    def timed_save(chain, i, s, searching):
+        t = time.thread_time()
+        e = chain.save(s, i + 1, ctx=ctx(i, searching))
+        return time.thread_time() - t, e
+
     # load every kernel first, fixed and searched, a first delta included (the search's delta
     # estimates and a delta's coder meet kernels a keyframe does not)
     for searching in (False, True):
         warm = CheckpointChain(f"memory://speed-warm-{searching}", "dynaquant")
         for i, s in enumerate(states[:2]):
             model.load_state_dict(s["model"])
-            warm.save(s, i + 1, ctx=EncodeContext(step=i + 1, model=model, eval_fn=eval_fn,
-                                                  threshold=args.threshold) if searching else None)
+            warm.save(s, i + 1, ctx=ctx(i, searching))
+    del warm
     fixed = CheckpointChain("memory://speed-fixed", "dynaquant")
     searched = CheckpointChain("memory://speed-search", "dynaquant")
     rows, evals = [], []
     for i, s in enumerate(states):
         model.load_state_dict(s["model"])
-        t = time.thread_time()
-        fixed.save(s, i + 1)
-        t_fixed = time.thread_time() - t
+        t_fixed, _ = timed_save(fixed, i, s, False)
         spent[0] = 0.0
-        t = time.thread_time()
-        e = searched.save(s, i + 1, ctx=EncodeContext(step=i + 1, model=model, eval_fn=eval_fn,
-                                                       threshold=args.threshold))
-        t_search = time.thread_time() - t
+        t_search, e = timed_save(searched, i, s, True)
         sm = e.summary
         beyond = t_search - spent[0] - t_fixed
         if i:
             evals.append(sm["evals"])
         rows.append([i + 1, sm["search"], sm["evals"], sm.get("estimates", 0), f"{spent[0]:.2f}",
                      f"{t_fixed:.3f}", f"{beyond:.3f}", f"{beyond / t_fixed:.2f}"])
-    print(f"\n### Config search on the small chain (threshold {args.threshold}, val loss eval_fn)\n")
-    print(md_table(["ckpt", "search", "evals", "estimates", "eval_fn s", "fixed save s",
-                    "search s beyond eval_fn", "x fixed save"], rows))
+    where = "the GPT-2 124M pair" if big else "the small chain"
+    print(f"\n### Config search on {where} (threshold {args.threshold}, val loss eval_fn)\n")
+    print(md_table(["ckpt", "search", "evals", "estimates", "eval_fn s", "fixed save s", "search s beyond eval_fn",
+                    "x fixed save"], rows))
     if evals:
         dist = {k: evals.count(k) for k in sorted(set(evals))}
         print(f"\nsteady-state evaluations per checkpoint: mean {statistics.mean(evals):.2f}, distribution {dist}")
 
 
+def vm_bytes(key: str) -> int:
+    """A /proc/self/status memory figure in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="small,search,v01", help="small,gpt2,memory,checksums,search,v01")
+    p.add_argument("--only", default="small,search,v01", help="small,gpt2,memory,checksums,search,search-gpt2,v01")
     p.add_argument("--methods", default="dynaquant,lossless")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=5)
@@ -452,6 +492,8 @@ def main(argv=None) -> None:
         checksums(args, small_states(args.small_n, args.small_every))
     if "search" in only:
         search(args, small_states(args.small_n, args.small_every))
+    if "search-gpt2" in only:
+        search(args, gpt2_states(args.big_steps), big=True)
 
 
 if __name__ == "__main__":

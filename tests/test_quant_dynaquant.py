@@ -252,6 +252,11 @@ def test_dequantize_kernel_is_the_reference(ckpt, dtype):
     assert q.meta["n_protected"] > 0
     y = dequantize(q)
     assert y.dtype == torch.bfloat16 and torch.equal(y, dequantize_reference(q))
+    for qq in (q, replace(q, dtype="float32")):
+        for out in (torch.empty(q.shape), torch.empty(q.shape, dtype=torch.bfloat16), torch.empty(q.shape[::-1]).t()):
+            assert dequantize(qq, out=out) is out and torch.equal(out, dequantize_reference(qq).to(out.dtype))
+    with pytest.raises(ValueError, match="out has shape"):
+        dequantize(q, out=torch.empty(3))
     short = replace(q, side={"protected": q.side["protected"][:-1]})
     with pytest.raises(ValueError, match="protected values"):
         dequantize(short)

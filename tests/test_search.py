@@ -16,6 +16,7 @@ from ckptzip.methods.qrecord import Codes
 from ckptzip.methods.quantizing import QuantizedReference
 from ckptzip.quant.dynaquant import dequantize
 from ckptzip.search import DynaQuantSpace, QualityJudge, search_config
+from ckptzip.search.quality import Fill
 from ckptzip.search.cube import ConfigCube, MonotoneOracle, guided_search, leq, speculate
 from ckptzip.state import flatten_state
 
@@ -217,8 +218,21 @@ def test_judge_reloads_only_what_changed_and_restores_the_rest(run):
     for reps in (zeros, half, {}, zeros, {}):
         assert judge.score(reps) == QualityJudge(live, weights, flat).score(reps)
     assert judge.score({}) == judge.baseline
+    # a Fill is written into the scratch's own tensor (no temporary), else materialized first
+    into = []
+
+    def fill(name, value):
+        def write(out):
+            into.append(out.data_ptr())
+            out.copy_(value)
+        return Fill(tuple(value.shape), value.dtype, write)
+
+    filled = {n: fill(n, v) for n, v in zeros.items()}
+    assert judge.score(filled) == judge.score(zeros)
+    assert into == [judge._scratch.fc1.weight.data_ptr(), judge._scratch.fc2.weight.data_ptr()]
     live.fc1.register_load_state_dict_post_hook(lambda module, keys: None)
-    assert QualityJudge(live, weights, flat)._targets is None
+    hooked = QualityJudge(live, weights, flat)
+    assert hooked._targets is None and hooked.score(filled) == judge.score(zeros)
 
 
 def test_exhaustive_search_is_feasible_and_cheap(run):

@@ -62,6 +62,9 @@ class DynaQuantMethod(QuantizingMethod):
     def dequantize_weight(self, q):
         return dq.dequantize(q)
 
+    def dequantize_weight_into(self, q, out):
+        dq.dequantize(q, out=out)
+
     @classmethod
     def upgrade_config(cls, config: dict, version: int) -> dict:
         return upgrade_v1_config(config)

@@ -154,6 +154,11 @@ class QuantizingMethod(Method):
     def dequantize_weight(self, q: QuantizedTensor) -> torch.Tensor:
         """The inverse the decoder applies to one weight."""
 
+    def dequantize_weight_into(self, q: QuantizedTensor, out: torch.Tensor) -> None:
+        """``dequantize_weight(q)`` written into ``out`` (q's shape); a method whose decoder writes in
+        place overrides it (no temporary of the weight's size per search trial)."""
+        out.copy_(self.dequantize_weight(q))
+
     # --- search hooks -------------------------------------------------------------------------
     def space(self) -> Space:
         """The search space of this save: ``search.residual_space`` while residuals are quantized."""
@@ -201,9 +206,18 @@ class QuantizingMethod(Method):
     def _qconfig(self, knobs: dict):
         return replace(self.config.quantizer, **knobs) if knobs else self.config.quantizer
 
-    def search_dequantize(self, q: QuantizedTensor, name: str | None = None) -> torch.Tensor:
-        """What the decoder rebuilds from ``q``, record ``name``'s quantization in this save."""
-        return self._reconstruct(q, self._bases.get(name) if name is not None else None)
+    def search_dequantize(self, q: QuantizedTensor, name: str | None = None,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+        """What the decoder rebuilds from ``q``, record ``name``'s quantization in this save; written
+        into ``out`` when given (and returned)."""
+        base = self._bases.get(name) if name is not None else None
+        if out is None:
+            return self._reconstruct(q, base)
+        if base is None:
+            self.dequantize_weight_into(q, out)
+        else:
+            out.copy_(self._reconstruct(q, base))
+        return out
 
     def choose_knobs(self, state: FlatState, reference, ctx: EncodeContext) -> tuple[dict, dict]:
         """This checkpoint's quantizer knob overrides and the search info for the manifest summary."""

@@ -454,21 +454,31 @@ def quantize_tensors(tensors: Mapping[str, tuple], config: DynaQuantConfig = Dyn
     return batched(tensors, config, grads, threads=threads)
 
 
-def dequantize(q: QuantizedTensor) -> torch.Tensor:
-    """Codebook lookup with the protected values put back; x's shape and dtype. On CPU one numba
-    pass (``dqkernels.dequantize_kernel``); ``dequantize_reference`` is the same in plain torch and
-    raises its errors."""
+def dequantize(q: QuantizedTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Codebook lookup with the protected values put back; x's shape and dtype, or written into
+    ``out`` (q's shape, any float dtype; returned). On CPU one numba pass
+    (``dqkernels.dequantize_kernel``), straight into a float32 ``out``; ``dequantize_reference`` is
+    the same in plain torch and raises its errors."""
+    direct = out is not None and out.dtype == torch.float32 == torch_dtype(q.dtype) and out.device.type == "cpu" \
+        and out.is_contiguous()  # a narrower record is rounded to its dtype first, as dequantize(q) is
+    if out is not None and tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"dynaquant: out has shape {tuple(out.shape)}, the quantized tensor {tuple(q.shape)}")
     if dequantize_kernel is None or q.codes.device.type != "cpu":
-        return dequantize_reference(q)
+        y = dequantize_reference(q)
+        return y if out is None else out.copy_(y)
+    if out is not None and not direct:
+        return out.copy_(dequantize(q))
     codes = q.codes.reshape(-1).contiguous()
+    flat = torch.empty(codes.numel(), dtype=torch.float32) if out is None else out.detach().view(-1)
+    if flat.numel() != codes.numel():  # the kernel writes one value per code: never past ``out``
+        raise ValueError(f"dynaquant: {codes.numel()} codes for a tensor of shape {tuple(q.shape)}")
     prot = q.side.get("protected")
     prot = np.zeros(0, np.float32) if prot is None else prot.reshape(-1).to("cpu", torch.float32).numpy()
-    out = torch.empty(codes.numel(), dtype=torch.float32)
     used = dequantize_kernel(codes.numpy(), q.codebook.to("cpu", torch.float32).contiguous().numpy(),
-                             q.n_levels - 1, prot, out.numpy())
+                             q.n_levels - 1, prot, flat.numpy())
     if used != prot.shape[0]:
         return dequantize_reference(q)  # the reference names what is wrong
-    return out.reshape(q.shape).to(torch_dtype(q.dtype))
+    return out if out is not None else flat.reshape(q.shape).to(torch_dtype(q.dtype))
 
 
 def dequantize_reference(q: QuantizedTensor) -> torch.Tensor:

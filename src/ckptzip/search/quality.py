@@ -72,6 +72,23 @@ DISTANCES = ("relative", "cosine")
 
 
 @dataclass(frozen=True)
+class Fill:
+    """A replacement the judge writes straight into its scratch model: ``write(out)`` fills ``out``
+    (``shape``, any float dtype) with the reconstruction. Where the scratch takes plain copies
+    (``QualityJudge._load``) no model-sized temporary is made per trial; elsewhere it is made
+    here (``tensor``)."""
+
+    shape: tuple
+    dtype: torch.dtype
+    write: Callable[[torch.Tensor], None]
+
+    def tensor(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.write(out)
+        return out
+
+
+@dataclass(frozen=True)
 class Outputs:
     """What an output-fidelity ``eval_fn`` may return: tensors compared one by one with the exact
     state's, and how (see the module docstring)."""
@@ -271,20 +288,26 @@ class QualityJudge:
             sd = {k[len(self._prefix):] if k.startswith(self._prefix) else k: v for k, v in sd.items()}
         return sd
 
-    def _load(self, sd: dict[str, torch.Tensor], exact: bool) -> None:
+    def _load(self, sd: dict, exact: bool) -> None:
         """load_state_dict(sd); once the exact state is in, a plain module (no load hooks, no
-        ``_load_from_state_dict`` of its own) only gets the tensors that differ from what it holds."""
+        ``_load_from_state_dict`` of its own) only gets the tensors that differ from what it holds,
+        a ``Fill`` written in place."""
         t, base = self._targets, self._base
         if base is None or t is None or sd.keys() != t.keys() or \
-                any(v.shape != t[k].shape for k, v in sd.items() if v is not base[k]):
-            self._scratch.load_state_dict(sd)
+                any(tuple(v.shape) != tuple(t[k].shape) for k, v in sd.items() if v is not base[k]):
+            self._scratch.load_state_dict({k: v.tensor() if isinstance(v, Fill) else v for k, v in sd.items()})
             self._base, self._dirty = (sd, set()) if exact else (base, set(sd))
             return
+        written: set[tuple[int, int]] = set()  # a tied weight's keys share one scratch tensor
         with torch.no_grad():
             for k, v in sd.items():
                 same = v is base[k]
                 if not same or k in self._dirty:
-                    t[k].copy_(v)
+                    if not isinstance(v, Fill):
+                        t[k].copy_(v)
+                    elif (id(v), id(t[k])) not in written:
+                        v.write(t[k].detach())
+                        written.add((id(v), id(t[k])))
                 (self._dirty.discard if same else self._dirty.add)(k)
 
     def _run(self, replacements: Mapping[str, torch.Tensor]):

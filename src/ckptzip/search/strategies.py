@@ -24,9 +24,10 @@ The paper extends this search to its baselines (section 8.2, Tables 10-12), each
 space: DynaQuant, QD, CNR and GOBO all run through this module. What a method must provide
 (methods/quantizing.py, ``QuantizingMethod``): ``space()`` (search/spaces.py),
 ``search_records(state)`` (the weights the search judges), ``search_quantize(state, knobs,
-gradients)`` -> {name: QuantizedTensor}, ``search_dequantize(q, name)`` (what the decoder rebuilds:
-a residual's base added), and ``search_coding``: how its
-encoder codes the codes, for the ratio estimate. Optionally ``search_prepare(state, reference,
+gradients)`` -> {name: QuantizedTensor}, ``search_dequantize(q, name, out=None)`` (what the decoder
+rebuilds: a residual's base added; written into ``out``, the judge's scratch tensor, where the
+judge copies plainly), and ``search_coding``: how its encoder codes the codes, for the ratio
+estimate. Optionally ``search_prepare(state, reference,
 gradients)`` -> an object with ``quantize(knobs)`` and ``estimate(knobs) -> (est_bits,
 raw_bits)`` (or None), and optionally ``estimate_many(knobs_list)``, the same for a list at once:
 the work shared by every candidate of one checkpoint, done once (DynaQuant's quant/dqsearch.py
@@ -58,6 +59,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -66,7 +68,7 @@ from ..codec.entropy import conditional_bits, entropy_bits
 from ..errors import ConfigError
 from ..tensorbytes import torch_dtype
 from .cube import Candidate, ConfigCube, MonotoneOracle, guided_search, speculate
-from .quality import QualityJudge
+from .quality import Fill, QualityJudge
 
 CODINGS = ("conditional", "delta", "plain")
 
@@ -168,7 +170,8 @@ class TrialRunner:
     def _trial_row(self, c: Candidate) -> list[float]:
         q = self._quantize(c)
         est, raw = self._trial_estimate(c, q)
-        v = self.judge.check({n: self.method.search_dequantize(qt, n) for n, qt in q.items()})
+        v = self.judge.check({n: Fill(tuple(qt.shape), torch_dtype(qt.dtype), partial(self.method.search_dequantize, qt, n))
+                              for n, qt in q.items()})
         self.local_evals += 1
         return [float(v.feasible), v.degradation, v.score, est, raw]
 
