@@ -18,13 +18,15 @@ in a synchronous save only (an asynchronous save runs while the model trains on)
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
 from .. import dist
 from ..errors import ConfigError, NonFiniteError
-from ..search.quality import QualityJudge, preserved_rng
+from ..search.quality import Fill, QualityJudge, preserved_rng
 from ..search.strategies import TrialRunner, estimate_bits, search_config
+from ..tensorbytes import torch_dtype
 from . import merge
 from .shardstate import ShardState
 
@@ -61,7 +63,11 @@ class ShardJudge(QualityJudge):
         try:
             with torch.no_grad():
                 for n, t in exact.items():
-                    self._live[n].copy_(replacements[n])
+                    r = replacements[n]
+                    if isinstance(r, Fill):  # written in place: no temporary of the shard's size
+                        r.write(self._live[n].detach())
+                    else:
+                        self._live[n].copy_(r)
             with preserved_rng():
                 out = self.eval_fn(self.model)
             score = _float_score(out)
@@ -128,7 +134,8 @@ class ShardedTrialRunner(TrialRunner):
     def _trial_row(self, c) -> list[float]:
         q = self._quantize(c)
         est, raw = self._trial_estimate(c, q)  # the same on every rank: the estimates were gathered
-        v = self.judge.check({n: self.method.search_dequantize(qt) for n, qt in q.items() if self.judge.covers(n)})
+        v = self.judge.check({n: Fill(tuple(qt.shape), torch_dtype(qt.dtype), partial(self.method.search_dequantize, qt, None))
+                              for n, qt in q.items() if self.judge.covers(n)})
         self.local_evals += 1
         return [float(v.feasible), v.degradation, v.score, est, raw]
 
