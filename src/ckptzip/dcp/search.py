@@ -18,15 +18,13 @@ in a synchronous save only (an asynchronous save runs while the model trains on)
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import torch
 
 from .. import dist
 from ..errors import ConfigError, NonFiniteError
 from ..search.quality import Fill, QualityJudge, preserved_rng
-from ..search.strategies import TrialRunner, estimate_bits, search_config
-from ..tensorbytes import torch_dtype
+from ..search.strategies import TrialRunner, estimate_bits, reconstruction, search_config
 from . import merge
 from .shardstate import ShardState
 
@@ -134,8 +132,7 @@ class ShardedTrialRunner(TrialRunner):
     def _trial_row(self, c) -> list[float]:
         q = self._quantize(c)
         est, raw = self._trial_estimate(c, q)  # the same on every rank: the estimates were gathered
-        v = self.judge.check({n: Fill(tuple(qt.shape), torch_dtype(qt.dtype), partial(self.method.search_dequantize, qt, None))
-                              for n, qt in q.items() if self.judge.covers(n)})
+        v = self.judge.check({n: reconstruction(self.method, qt) for n, qt in q.items() if self.judge.covers(n)})
         self.local_evals += 1
         return [float(v.feasible), v.degradation, v.score, est, raw]
 

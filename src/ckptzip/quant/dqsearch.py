@@ -92,11 +92,11 @@ class SearchSketch:
             return [(0.0, 0.0)] * len(cfgs)
         th = [self._thresholds(cfg) for cfg in cfgs]                         # (R,) float64, (R,)
         # the distinct (row, prune, protect, bins, k-means settings) of all candidates
-        fits = list(dict.fromkeys(_fit_key(cfg) for cfg in cfgs))
-        fit = torch.tensor([fits.index(_fit_key(cfg)) for cfg in cfgs], dtype=torch.float64)
+        fits = {_fit_key(cfg): cfg for cfg in cfgs}
+        keys = list(fits)
         rows = torch.arange(R, dtype=torch.float64)
-        cols = [torch.stack([rows, p, q, b.double(), torch.full_like(rows, float(f))], 1)
-                for (p, q, b), f in zip(th, fit.tolist())]
+        cols = [torch.stack([rows, p, q, b.double(), torch.full_like(rows, float(keys.index(_fit_key(cfg))))], 1)
+                for (p, q, b), cfg in zip(th, cfgs)]
         u, slot = torch.unique(torch.cat(cols), dim=0, return_inverse=True)  # (U, 5), (C * R,)
         row = u[:, 0].long()
         rep, nb, cnt = self.rep[row], self.nb[row], self.counts[row]
@@ -105,7 +105,7 @@ class SearchSketch:
         pruned = valid & ((rep == 0) | (a < u[:, 1:2]))
         protected = valid & (a > u[:, 2:3]) & ~pruned
         quant = valid & ~pruned & ~protected
-        codes, k = self._codes(row, u[:, 3].long(), [fits[int(f)] for f in u[:, 4]], cfgs, quant, rep)
+        codes, k = self._codes(row, u[:, 3].long(), [keys[int(f)] for f in u[:, 4]], fits, quant, rep)
         codes = torch.where(pruned, 0, torch.where(protected, k[:, None] + 1, codes))
         cnt = torch.where(valid, cnt, 0)
         side = 32.0 * (k + 2).double() + 16.0 * (cnt * protected).sum(1).double()   # (U,)
@@ -172,12 +172,11 @@ class SearchSketch:
             self._cap[lt, q] = row_quantiles([rows[n][0] for n in self.sk.groups[lt]], q, self.base.alpha)
         return self._cap[lt, q]
 
-    def _codes(self, row: torch.Tensor, bins: torch.Tensor, fit: list[tuple], cfgs, quant: torch.Tensor,
+    def _codes(self, row: torch.Tensor, bins: torch.Tensor, fit: list[tuple], cfg_of: dict, quant: torch.Tensor,
                rep: torch.Tensor):
         """Code of every bucket (by its representative) and the level count k of distinct rows
-        (tensor ``row`` with level count ``bins`` and k-means settings ``fit``, its buckets to
-        cluster ``quant``): one k-means batch per (bins, settings)."""
-        cfg_of = {_fit_key(cfg): cfg for cfg in cfgs}
+        (tensor ``row`` with level count ``bins`` and k-means settings ``fit``, a key of ``cfg_of``;
+        its buckets to cluster ``quant``): one k-means batch per (bins, settings)."""
         U = row.numel()
         ords, counts, nq = self.ords[row], self.counts[row], quant.sum(1)
         centers: list[torch.Tensor | None] = [None] * U

@@ -123,6 +123,12 @@ def estimate_bits(quantized: dict, reference=None, *, coding: str = "conditional
     return est, raw
 
 
+def reconstruction(method, q, name: str | None = None) -> Fill:
+    """What the decoder rebuilds from ``q`` (``method.search_dequantize``), for the judge to write
+    straight into its model."""
+    return Fill(tuple(q.shape), torch_dtype(q.dtype), partial(method.search_dequantize, q, name))
+
+
 class TrialRunner:
     """Evaluates candidates (quantize -> estimate -> dequantize -> eval), caches the results, and
     spreads rounds of candidates over a process group when one is given."""
@@ -170,8 +176,7 @@ class TrialRunner:
     def _trial_row(self, c: Candidate) -> list[float]:
         q = self._quantize(c)
         est, raw = self._trial_estimate(c, q)
-        v = self.judge.check({n: Fill(tuple(qt.shape), torch_dtype(qt.dtype), partial(self.method.search_dequantize, qt, n))
-                              for n, qt in q.items()})
+        v = self.judge.check({n: reconstruction(self.method, qt, n) for n, qt in q.items()})
         self.local_evals += 1
         return [float(v.feasible), v.degradation, v.score, est, raw]
 
