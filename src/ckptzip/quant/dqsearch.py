@@ -203,9 +203,19 @@ def _fit_key(cfg: dq.DynaQuantConfig) -> tuple:
     return (cfg.domain, cfg.kmeans, cfg.sigma, cfg.seed)
 
 
+# above this many cells (rows x previous levels x levels: 256 levels on a few hundred tensors) the
+# cells are binned by a sort of the ones present instead of a dense count table
+DENSE_CELLS = 1 << 22
+
+
 def _neg_clogc(cells: torch.Tensor, counts: torch.Tensor, size: int) -> float:
-    """-sum c log2 c over the cells of ``counts`` binned by ``cells``."""
-    c = torch.bincount(cells, weights=counts.to(torch.float64), minlength=size)
+    """-sum c log2 c over the cells of ``counts`` binned by ``cells`` (in cell order either way; the
+    counts are integers, so their float sums are exact whatever the order)."""
+    if size > DENSE_CELLS:
+        present, at = torch.unique(cells, return_inverse=True)
+        c = torch.zeros(present.numel(), dtype=torch.float64).index_add_(0, at, counts.to(torch.float64))
+    else:
+        c = torch.bincount(cells, weights=counts.to(torch.float64), minlength=size)
     c = c[c > 0]
     return float(-(c * torch.log2(c)).sum())
 
