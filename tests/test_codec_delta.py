@@ -384,7 +384,7 @@ def test_entropy_bits_counts_by_numba_as_bincount(real_codes, monkeypatch):
     streams = [(c, d) for c in real_codes["fc2.weight"][:3] for d in (torch.uint8, torch.int16, torch.int64)]
     streams += [(torch.randint(-120, 100, (5000,), generator=g), d) for d in (torch.int8, torch.int16, torch.int32)]
     fast = [E.entropy_bits(c.to(d)) for c, d in streams]
-    monkeypatch.setattr(E, "_numba_hist", None)
+    monkeypatch.setattr(E, "_count_kernel", None)
     assert fast == [E.entropy_bits(c.to(d)) for c, d in streams] and all(f > 0 for f in fast)
 
 

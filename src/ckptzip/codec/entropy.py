@@ -291,9 +291,9 @@ def entropy_bits(symbols) -> float:
     if t.numel() == 0:
         return 0.0
     lo, hi = (int(v) for v in torch.aminmax(t))
-    if _numba_hist is not None and t.device.type == "cpu" and t.dtype in INT_DTYPES and hi - lo < 1 << 16:
+    if _count_kernel is not None and t.device.type == "cpu" and t.dtype in INT_DTYPES and hi - lo < 1 << 16:
         counts = np.zeros(hi - lo + 1, dtype=np.int64)  # bincount's counts, without its int64 copy
-        _numba_hist(t.contiguous().numpy(), lo, counts)
+        _count_kernel(t.contiguous().numpy(), lo, counts)
         counts = torch.from_numpy(counts)
     elif hi - lo < max(1 << 22, 2 * t.numel()):
         counts = torch.bincount((t.to(torch.int64) - lo))
@@ -341,10 +341,6 @@ try:
             marginal[p] += 1
         return True
 
-    @_nb.njit(cache=True, nogil=True)
-    def _numba_hist(codes, lo, counts):  # pragma: no cover - compiled
-        """counts[c - lo] += 1 for every code (the caller took lo and the size from its min and max)."""
-        for i in range(codes.shape[0]):
-            counts[np.int64(codes[i]) - lo] += 1
+    from .streamframe import _count_kernel  # counts[v - lo] += 1, the coders' own count pass
 except ImportError:  # pragma: no cover
-    _numba_counts = _numba_hist = None
+    _numba_counts = _count_kernel = None

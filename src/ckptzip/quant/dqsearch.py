@@ -32,7 +32,7 @@ import torch
 from ..logbuckets import HAVE_NUMBA, lookup_table
 from ..sketch import LogSketch
 from . import dynaquant as dq
-from .dqbatch import Sketched, Chunk, row_quantiles
+from .dqbatch import Sketched, Chunk, _merged, row_quantiles
 from .levels import histogram_centers, level_bounds
 
 if HAVE_NUMBA:
@@ -161,9 +161,7 @@ class SearchSketch:
         """The merged |x| sketch of a layer type (the same for every candidate)."""
         if lt not in self._mag:
             rows = self.sk.rows()
-            items = self.sk.groups[lt]
-            self._mag[lt] = LogSketch.from_counts(torch.cat([rows[n][0][0] for n in items]),
-                                                  torch.cat([rows[n][0][1] for n in items]), self.base.alpha)
+            self._mag[lt] = _merged([rows[n][0] for n in self.sk.groups[lt]], self.base.alpha)
         return self._mag[lt]
 
     def _caps(self, lt: str, q: float) -> list[float]:
