@@ -1,10 +1,11 @@
 """quant/moments.py: v on a fixed log grid of Adam's denominator, m as a few-bit direction."""
 import dataclasses
+import math
 
 import pytest
 import torch
 
-from ckptzip.errors import ConfigError
+from ckptzip.errors import ConfigError, NonFiniteError
 from ckptzip.quant import moments as M
 
 
@@ -48,41 +49,26 @@ def test_chunked_float64_decode_equals_one_pass(adam_pair, monkeypatch, dtype):
     assert M.decode_denominator(q, hp, c[:0]).numel() == 0
 
 
-def test_chunked_grid_codes_equal_one_pass(adam_pair, monkeypatch):
-    """The kernel's grid codes, chunk by chunk through one buffer, are those of one pass over the
-    whole tensor (a chunk of 1024: a multiple of the SIMD widths, as the default), with Adam's eps
-    and with one eps per element, and the reference's where the kernel gives up."""
-    m, v, hp = adam_pair
-    vf, mf = v.reshape(-1).float(), m.reshape(-1).float()
-    D = M._denominator(vf, hp.bc2, hp.eps)
-    per_element = torch.full_like(vf, hp.eps)
-    want = {k: M._grid_codes(vf, D, e, 0.5, mf) for k, e in (("eps", hp.eps), ("per element", per_element))}
-    monkeypatch.setattr(M, "_CHUNK", 1024)
-    assert vf.numel() > 3 * 1024
-    for k, e in (("eps", hp.eps), ("per element", per_element)):
-        c, top = M._grid_codes(vf, D, e, 0.5, mf)
-        assert torch.equal(c, want[k][0]) and top == want[k][1] == int(c.max()), k
-    huge = D.clone()
-    huge[-1] = float("inf")  # the kernel gives up on its chunk: the reference codes the whole tensor
-    c, top = M._grid_codes(vf, huge, hp.eps, 0.5, mf)
-    assert top is None and c.dtype == torch.int64
-
-
-@pytest.mark.parametrize("prune", [0.0, 0.9])
-@pytest.mark.parametrize("normalized", [False, True])
-def test_chunked_sign_direction_equals_one_pass(adam_pair, monkeypatch, prune, normalized):
-    """A large tensor's 1-bit direction, row chunk by row chunk through reused buffers, has the
-    codes, scales and meta of the one-pass batch path (forced here by a small chunk)."""
-    m, v, hp = adam_pair
-    mf = m.reshape(-1).float()
-    D = M._denominator(v.reshape(-1).float(), hp.bc2, hp.eps) if normalized else None
-    want = M._quantize_ms(mf, D, [m], bits=1, group=256, prune=prune)[0]
-    monkeypatch.setattr(M, "_CHUNK", 1024)  # 4 rows of 256 a chunk; the tensor is over the chunk size
-    assert mf.numel() > 1024 and mf.numel() % 256 == 0
-    got = M._quantize_ms(mf, D, [m], bits=1, group=256, prune=prune)[0]
-    assert torch.equal(got.codes, want.codes) and got.codes.dtype == want.codes.dtype
-    assert torch.equal(got.side["scale"], want.side["scale"]) and torch.equal(got.codebook, want.codebook)
-    assert got.meta == want.meta and got.shape == want.shape and got.n_levels == want.n_levels
+@pytest.mark.parametrize("step", [2.0, 0.5, 0.3, 3.0])
+def test_grid_codes_are_log2_rounded_half_up_exactly(step):
+    """c = #{k: y >= B[k]} is round(log2(y) / step) half up, computed exactly (no log2 call): checked
+    against float64 log2 on 10^6 values over 2**0 .. 2**60, and the bounds and their fp32
+    neighbours fall on the right sides."""
+    lo, thr, table, width = M.grid_bounds(step)
+    bounds = torch.from_numpy(table[1:len(table) - width])
+    g = torch.Generator().manual_seed(0)
+    y = torch.exp2(torch.rand(10 ** 6, generator=g, dtype=torch.float64) * 60).float()
+    got = torch.bucketize(y, bounds, right=True)
+    assert torch.equal(got, torch.floor(torch.log2(y.double()) / step + 0.5).long())
+    near = bounds[bounds < 2.0 ** 60]
+    k = torch.arange(1, near.numel() + 1)
+    assert torch.equal(torch.bucketize(near, bounds, right=True), k)
+    assert torch.equal(torch.bucketize(torch.nextafter(near, torch.zeros(())), bounds, right=True), k - 1)
+    assert bool((near.double() >= torch.exp2(step * (k.double() - 0.5))).all())  # the least fp32 above
+    assert bool((torch.nextafter(near, torch.zeros(())).double() < torch.exp2(step * (k.double() - 0.5))).all())
+    assert width == math.ceil(1 / step)  # the most bounds in one binade
+    with pytest.raises(ConfigError, match="step must be >= 2"):
+        M.grid_bounds(1e-4)
 
 
 def test_grid_is_stable_and_never_zero_where_m_is_not(adam_pair):
@@ -247,27 +233,59 @@ def test_factored_tail_kernel_equals_the_torch_reference(monkeypatch, v_step):
         assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want) and torch.equal(got, lv)
 
 
-@pytest.mark.parametrize("codec", [M.GridCodec(), M.GridCodec(prune=0.0, group=100)])
+@pytest.mark.parametrize("codec", [M.GridCodec(), M.GridCodec(prune=0.0, group=100), M.GridCodec(v_step=0.5),
+                                   M.GridCodec(v_step=0.3, normalize="decoded", group=64)])
 @pytest.mark.parametrize("overflow", [False, True])
-def test_numba_tails_equal_the_torch_reference(codec, overflow, monkeypatch):
-    """quant/momentkernels.py (grid codes' integer tail, 1-bit direction codes) against the plain-torch
-    code beside them; ``overflow``: a denominator whose log is inf (the grid kernel hands it back)."""
+def test_numba_kernels_equal_the_torch_reference(codec, overflow, monkeypatch):
+    """quant/momentkernels.py (D and the grid codes in one pass, the prune cut's sample, the 1-bit
+    direction's scales and codes) against the plain-torch code beside them: per-tensor hparams
+    (bc2, eps), exact zeros of both signs, v over 30 decades, a tensor of 300k values (a strided
+    cut sample), groups cut short; ``overflow``: an eps whose D / eps is inf (the top level)."""
     if not M.K.HAVE_NUMBA:
         pytest.skip("numba is not installed")
     g = torch.Generator().manual_seed(5)
     pairs = []
-    for i, n in enumerate((1000, 4096, 333)):
-        m, v = torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) ** 4 * 1e-5
+    for i, n in enumerate((1000, 4096, 333, 300_000)):
+        m = torch.randn(n, generator=g) * 1e-3
+        v = torch.rand(n, generator=g) ** 4 * 10.0 ** -torch.randint(0, 30, (n,), generator=g).float()
         v[::5] = 0
         m[::10] = 0
-        pairs.append((m, v, M.AdamHP(step=5 + i, eps=1e-45 if overflow and not i else 1e-8)))
+        m[5::20] = -0.0
+        pairs.append((m, v, M.AdamHP(step=5 + i, beta2=0.999 - 0.01 * (i % 2), eps=1e-45 if overflow and not i else 1e-8)))
     calls = []
-    tail = M.K.grid_tail
-    monkeypatch.setattr(M.K, "grid_tail", lambda *a: calls.append(1) or tail(*a))
+    for name in ("grid_kernel", "sign_kernel"):
+        kernel = getattr(M.K, name)
+        monkeypatch.setattr(M.K, name, lambda *a, k=kernel, n=name: calls.append(n) or k(*a))
     fast = M.encode_pairs_levels(pairs, codec)
-    assert calls
+    assert calls == ["grid_kernel"] + ["sign_kernel"] * (codec.m_bits == 1)
+    if overflow:
+        assert fast[0][1].n_levels == M.grid_bounds(codec.v_step)[0][255] + 1  # inf: every bound below it
     monkeypatch.setattr(M, "_use_kernels", lambda x: False)
     for (qm, qv, c), (rm, rv, rc) in zip(fast, M.encode_pairs_levels(pairs, codec)):
-        assert torch.equal(c, rc) and torch.equal(qv.codes, rv.codes)
-        bits = lambda q: q.side["scale"].view(torch.int16)  # noqa: E731 (NaN scales where D / eps is inf)
+        assert torch.equal(c, rc) and torch.equal(qv.codes, rv.codes) and qv.n_levels == rv.n_levels
+        bits = lambda q: q.side["scale"].view(torch.int16)  # noqa: E731 (inf scales where D / eps is inf)
         assert torch.equal(qm.codes, rm.codes) and torch.equal(bits(qm), bits(rm))
+    # the moment that is not finite is named, by either path
+    bad = [(m, v.clone(), hp) for m, v, hp in pairs]
+    bad[2][1][7] = float("nan")
+    for use in (True, False):
+        monkeypatch.setattr(M, "_use_kernels", lambda x, u=use: u)
+        with pytest.raises(NonFiniteError, match="exp_avg_sq"):
+            M.encode_pairs_levels(bad, codec)
+
+
+def test_sqrt_rn_is_correctly_rounded_and_decodes_adam():
+    """base.sqrt_rn is the fp64 root rounded once to fp32 (the correctly rounded one: torch's CPU fp32
+    sqrt is not, and differs by CPU vendor) over 60 decades, subnormals and zeros; Adam's decoded
+    denominator and the grid's D use it."""
+    from ckptzip.quant.adam import adam_denominator
+    from ckptzip.quant.base import sqrt_rn
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(200_000, generator=g) * 10.0 ** -torch.randint(0, 45, (200_000,), generator=g).float()
+    x[::97] = 0
+    want = x.double().sqrt().float()
+    assert torch.equal(sqrt_rn(x), want) and torch.equal(sqrt_rn(x.reshape(400, 500)), want.reshape(400, 500))
+    hp = M.AdamHP(step=7)
+    assert torch.equal(adam_denominator(x, 7), sqrt_rn(x / hp.bc2) + hp.eps)
+    assert torch.equal(M.denominator(x, hp), sqrt_rn(x / hp.bc2) + hp.eps)

@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from .base import sqrt_rn
+
 __all__ = ["adam_direction_error", "adam_denominator", "normalize_exp_avg", "denormalize_exp_avg"]
 
 
@@ -51,11 +53,12 @@ def adam_direction_error(m, v, m_q, v_q, step, betas: tuple[float, float] = (0.9
 
 def adam_denominator(v: torch.Tensor, step, betas: tuple[float, float] = (0.9, 0.999),
                      eps: float = 1e-8) -> torch.Tensor:
-    """sqrt(v / (1 - beta2^step)) + eps in float32: Adam's per-element update denominator."""
+    """sqrt(v / (1 - beta2^step)) + eps in float32: Adam's per-element update denominator, each step
+    correctly rounded (the same bits on every machine: base.sqrt_rn)."""
     t = float(step)
     if t < 1:
         raise ValueError(f"adam_denominator: step must be >= 1, got {t}")
-    return (v.detach().to(torch.float32).clamp_min(0) / (1.0 - betas[1] ** t)).sqrt_().add_(eps)
+    return sqrt_rn(v.detach().to(torch.float32).clamp_min(0) / (1.0 - betas[1] ** t)).add_(eps)
 
 
 def normalize_exp_avg(m: torch.Tensor, v: torch.Tensor, step, betas: tuple[float, float] = (0.9, 0.999),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..configcheck import Range
@@ -62,6 +63,17 @@ def all_finite(x: torch.Tensor) -> bool:
     if not x.numel():
         return True
     return all(map(math.isfinite, torch.stack(torch.aminmax(x.detach().reshape(-1))).float().tolist()))
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root of fp32 ``x`` (a new tensor): the same bits on every machine.
+    torch's CPU fp32 sqrt is not correctly rounded and differs by CPU vendor (on an AMD EPYC 20 % of
+    values are a last bit off, others on the Intel host that wrote tests/data's golden files), so a
+    restored Adam state depended on the machine. numpy's fp32 sqrt is the hardware instruction
+    (IEEE: correctly rounded), as is CUDA's sqrtf."""
+    if x.device.type == "cpu":
+        return torch.from_numpy(np.sqrt(x.detach().to(torch.float32).contiguous().numpy()))
+    return torch.sqrt(x.to(torch.float32))
 
 
 def apply_codebook(codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:

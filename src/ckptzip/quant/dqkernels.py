@@ -47,7 +47,7 @@ if HAVE_NUMBA:
             npt = 0
             hg = has_g[s]
             bad = 0
-            for i in range(offsets[s], offsets[s + 1]):
+            for i in range(np.uint64(offsets[s]), np.uint64(offsets[s + 1])):  # unsigned: see run below
                 prn, prt = _part(x[i], g[i] if hg else zero, hg, prune[s], on_sens[s], pm[s], ps[s])
                 j = bucket_fold(bits[i], x[i], shift, key, bound)
                 bad = min(bad, j)
@@ -68,11 +68,13 @@ if HAVE_NUMBA:
     def _assign_range(width: int):
         """Codes of x[a:e] against boundaries b padded to ``width`` with +inf (0: any width, by
         binary search). The boundary count is branch-free with a constant trip count, so LLVM
-        vectorizes across values (1.5 ns per value instead of 6 for k = 16)."""
+        vectorizes across values, given unsigned indices: numba wraps a signed index that could be
+        negative (a compare and a select per access), which kept LLVM from vectorizing (0.55 ns per
+        value for k = 16, 1.85 ms -> 0.22 ms on 0.4M values; 6 ns with a binary search)."""
         @_numba.njit(cache=True, nogil=True)
         def run(x, g, a, e, hg, b, prune, on_sens, pm, ps, top, codes):  # pragma: no cover - compiled
             z = np.float32(0.0)
-            for i in range(a, e):
+            for i in range(np.uint64(a), np.uint64(e)):
                 v = x[i]
                 c = 0
                 if width:
@@ -118,7 +120,7 @@ if HAVE_NUMBA:
             _assign_segment(x, g, a, e, has_g[s], B[s], m, prune[s], on_sens[s], pm[s], ps[s], top, codes)
             q = prot_off[s]
             if prot_off[s + 1] > q:
-                for i in range(a, e):          # protected values, in index order
+                for i in range(np.uint64(a), np.uint64(e)):  # protected values, in index order
                     if codes[i] == top:
                         prot[q] = x[i]
                         q += 1

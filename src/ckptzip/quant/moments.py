@@ -5,8 +5,10 @@ needs is D to within a few percent and the sign pattern of m / D; what it must n
 far below the truth (m / D too large: the first updates explode, bench/resume.py "zero-v").
 
 **v: the denominator on a fixed log grid.** t = log2(D / eps) >= 0 is rounded to a grid of
-``step`` (in log2 units, so a level is a factor 2**step in D): code c = round(t / step), at least
-1 for any v > 0 or m != 0, and 0 only where v == 0 and m == 0 (an exact zero). The grid does not
+``step`` (in log2 units, so a level is a factor 2**step in D): code c = round(t / step) (half up,
+exactly: by comparing D / eps with the grid's fp32 bounds, ``grid_bounds``), at least 1 for any
+v > 0 or m != 0, and 0 only where v == 0 and m == 0 (an exact zero). D, and m / D below, are
+correctly rounded fp32 (``base.sqrt_rn``): the codes are the same on every machine and device. The grid does not
 depend on the tensor or the checkpoint, so a v that moved by less than a bin keeps its code and
 the code delta against the previous checkpoint is zero (v moves slowly at beta2 = 0.999).
 Decode: D_q = eps * 2**(c * step), v_q = (D_q - eps)**2 * (1 - beta2**step_count). Coding D
@@ -18,7 +20,7 @@ and the residual r = c - a_i - b_j is coded (zigzag); a and b are exact int16 si
 **m: the normalized direction at 1-3 bits.** u = m / D (``normalize="true"``: the exact D, so
 the restored first update m_q / D_q = u_q approximates the true one; ``"decoded"``: D_q, as the
 v0.1 recipe normalizes), split into groups of ``group`` consecutive elements; each group has a
-bf16 scale s (mean |u| of what it keeps for 1 bit, RMS otherwise) and z = u / s is rounded to a
+bf16 scale s (mean |u| of what it keeps for 1 bit, summed in fp64; RMS otherwise) and z = u / s is rounded to a
 fixed level table (1 bit: sign; 2 and 3 bits: Lloyd-Max levels of a unit Gaussian). ``prune`` > 0
 adds a zero level for |u| at or below the quantile ``prune`` of |u| (ExCP's momentum pruning by
 magnitude; 1 bit + prune = ternary).
@@ -37,17 +39,19 @@ SGD momentum (no v): ``quantize_m(buf, None, ...)`` quantizes the buffer itself 
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ..codec.scratch import scratch
 from ..configcheck import OneOf, Range, check_fields
 from ..errors import ConfigError, NonFiniteError
 from ..tensorbytes import dtype_name, narrowest_int, numpy_dtype, torch_dtype
 from . import momentkernels as K
-from .base import MIN_NUMEL_RANGE, QuantizedTensor, all_finite, compact
+from .base import MIN_NUMEL_RANGE, QuantizedTensor, all_finite, compact, sqrt_rn
 
 # Positive reconstruction levels in units of the group scale: 1 bit, +-1 times the mean |u| (the
 # L2-optimal scale of a sign); 2 and 3 bits, the Lloyd-Max levels of a unit Gaussian (z = u / RMS).
@@ -87,12 +91,44 @@ def denominator(v: torch.Tensor, hp: AdamHP) -> torch.Tensor:
 
 
 def _denominator(vf: torch.Tensor, bc2: float | torch.Tensor, eps: float | torch.Tensor) -> torch.Tensor:
-    """D of flat fp32 ``vf``; ``bc2`` and ``eps`` scalars or one per element (a batch of tensors)."""
-    return vf.clamp_min(0).div_(bc2).sqrt_().add_(eps)  # in place on one copy: one fresh buffer, not two
+    """D of flat fp32 ``vf``; ``bc2`` and ``eps`` scalars or one per element (a batch of tensors).
+    Every step is correctly rounded in fp32 (base.sqrt_rn), so the same on any machine and in
+    grid_kernel."""
+    return sqrt_rn(vf.clamp_min(0).div_(bc2)).add_(eps)
 
 
 # ---------------------------------------------------------------------------------------------
 # v: the denominator on a fixed log grid
+
+MIN_STEP = 2.0 ** -10  # a finer grid's bounds table (128 / step entries) and compares grow without use
+
+
+@functools.lru_cache(maxsize=8)
+def grid_bounds(step: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The grid's level bounds: code c = #{k >= 1: y >= B[k]} for y = D / eps, where B[k] is the
+    least fp32 >= 2**(step * (k - 1/2)) (k = 1..K, every bound below 2**128), i.e. log2(y) / step
+    rounded half up, exactly (no log2: its last bit differs between devices and libraries).
+    Returns (lo, thr, B, width) for grid_kernel: by an fp32's exponent bits x, lo[x] = #{k: B[k] <
+    2**(x - 127)} (the bounds below its binade; x = 255, inf: all K), thr[x] the bits of the next
+    bound (0xFFFFFFFF: none); B with B[0] unused and ``width`` NaN after B[K] (no y is >= NaN);
+    ``width`` the most bounds inside one binade."""
+    if not step >= MIN_STEP:
+        raise ConfigError(f"moment grid step must be >= 2**-10 (log2 units), got {step}")
+    n = math.ceil(128 / step + 0.5) - 1  # k < 128 / step + 1/2
+    exact = np.exp2(step * (np.arange(1, n + 1, dtype=np.float64) - 0.5))
+    b = exact.astype(np.float32)
+    low = b.astype(np.float64) < exact
+    b[low] = np.nextafter(b[low], np.float32(np.inf))
+    lo = np.zeros(256, dtype=np.int32)  # y >= 1: exponent bits 127 .. 255
+    lo[127:255] = np.searchsorted(b, np.exp2(np.arange(128, dtype=np.float64)), side="left")
+    lo[255] = n
+    width = max(1, int(np.diff(lo[127:]).max()))
+    table = np.concatenate([np.zeros(1, np.float32), b, np.full(width, np.nan, np.float32)])
+    thr = np.full(256, 0xFFFFFFFF, dtype=np.uint32)
+    inside = lo < n
+    thr[inside] = table[lo[inside] + 1].view(np.uint32)
+    return lo, thr, table, width
+
 
 def _zigzag(r: torch.Tensor) -> torch.Tensor:
     """r >= 0 -> 2r, r < 0 -> -2r - 1 (int64; by shifts: two passes fewer than a where)."""
@@ -111,44 +147,43 @@ def _as_2d(shape) -> tuple[int, int] | None:
 
 
 def grid_codes(v: torch.Tensor, hp: AdamHP, step: float, m: torch.Tensor | None = None) -> torch.Tensor:
-    """Absolute grid codes c = round(log2(D / eps) / step), int64 flat; 0 only for v == 0 == m."""
-    return _one_grid(v, hp, step, m)[0].long()
+    """Absolute grid codes c (see grid_bounds), int64 flat; 0 only for v == 0 == m."""
+    return _grid([v], None if m is None else [m], [hp], step)[3].long()
 
 
-def _one_grid(v: torch.Tensor, hp: AdamHP, step: float, m: torch.Tensor | None) -> tuple[torch.Tensor, int | None]:
-    """_grid_codes of one v (and m), each checked finite."""
-    vf = _f32(v, "exp_avg_sq")
-    mf = None if m is None else _f32(m, "exp_avg")
-    return _grid_codes(vf, _denominator(vf, hp.bc2, hp.eps), hp.eps, step, mf)
-
-
-def _grid_codes(vf: torch.Tensor, D: torch.Tensor, eps: float | torch.Tensor, step: float, mf: torch.Tensor | None
-                ) -> tuple[torch.Tensor, int | None]:
-    """grid_codes of checked flat fp32 v (and m) whose denominator is D (``eps``: Adam's, or one per
-    element) -> (codes, their max or None): int32 codes from the kernel (a log2 over a step is
-    small: half the fresh pages of int64), int64 from the reference."""
-    if not step > 0:
-        raise ConfigError(f"moment grid step must be > 0 (log2 units), got {step}")
-    if _use_kernels(D):  # the integer tail below in one pass (quant/momentkernels.py), chunk by chunk
-        n, top = D.numel(), 0
-        out = np.empty(n, dtype=np.int32)
-        buf = torch.empty(min(n, _CHUNK), dtype=D.dtype)  # t's chunks: one buffer, not 4 fresh bytes an element
-        for a in range(0, n, _CHUNK):
-            e = eps[a:a + _CHUNK] if isinstance(eps, torch.Tensor) else eps
-            t = torch.div(D[a:a + _CHUNK], e, out=buf[:min(_CHUNK, n - a)]).log2_().div_(step)
-            m = mf[a:a + _CHUNK] if mf is not None else vf[:0]
-            got = int(K.grid_tail(t.numpy(), vf[a:a + _CHUNK].numpy(), m.numpy(), out[a:a + _CHUNK], 2.0 ** 31 - 1))
-            if got < 0:
-                break
-            top = max(top, got)
-        else:
-            return torch.from_numpy(out), top
-    t = torch.div(D, eps).log2_().div_(step)
-    c = t.round_().to(torch.int64).clamp_min_(1)
+def _grid(vs: list[torch.Tensor], ms: list[torch.Tensor] | None, hps: list[AdamHP], step: float
+          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, int | None]:
+    """(vf, mf, D, c, max c or None) of tensors ``vs`` (and ``ms``) concatenated, each checked finite:
+    their flat fp32 values, Adam's denominator and the grid codes (int32 from grid_kernel, int64
+    from the torch reference below it)."""
+    lo, thr, table, width = grid_bounds(step)
+    vf = _cat32(vs, "moments.v")
+    mf = None if ms is None else _cat32(ms, "moments.m")
+    ns = [v.numel() for v in vs]
+    if _use_kernels(vf):  # the whole pass in one kernel (quant/momentkernels.py)
+        D, out = (scratch(k, vf.numel(), t, keep=_KEEP) for k, t in (("moments.D", np.float32), ("moments.c", np.int32)))
+        per = [np.array([getattr(hp, k) for hp in hps], dtype=np.float32) for k in ("bc2", "eps")]
+        top = int(K.grid_kernel(vf.numpy(), vf.numpy()[:0] if mf is None else mf.numpy(), _cumsum(ns), *per, lo,
+                                thr, table, width, D, out))
+        if top >= 0:
+            return vf, mf, torch.from_numpy(D), torch.from_numpy(out), top
+    for i, v in enumerate(vs):  # the one that is not finite is named
+        _f32(v, "exp_avg_sq")
+        if ms is not None:
+            _f32(ms[i], "exp_avg")
+    bc2, eps = (_per_element([getattr(hp, k) for hp in hps], ns, vf) for k in ("bc2", "eps"))
+    D = _denominator(vf, bc2, eps)
+    bounds = torch.from_numpy(table[1:len(table) - width]).to(D.device)
+    c = torch.bucketize(torch.div(D, eps), bounds, right=True).clamp_min_(1)
     zero = vf == 0
     if mf is not None:
         zero &= mf == 0
-    return c.masked_fill_(zero, 0), None
+    return vf, mf, D, c.masked_fill_(zero, 0), None
+
+
+def _cumsum(ns: list[int]) -> np.ndarray:
+    """Segment offsets of concatenated tensors of sizes ``ns`` (int64, len(ns) + 1)."""
+    return np.concatenate([[0], np.cumsum(ns, dtype=np.int64)]).astype(np.int64)
 
 
 def _use_kernels(x: torch.Tensor) -> bool:
@@ -159,8 +194,8 @@ def _use_kernels(x: torch.Tensor) -> bool:
 def quantize_v(v: torch.Tensor, hp: AdamHP, *, step: float = 0.5, factored: bool = False,
                m: torch.Tensor | None = None) -> QuantizedTensor:
     """v (exp_avg_sq) -> grid codes (factored: zigzag residuals, int16 side ``row``/``col``)."""
-    c, top = _one_grid(v, hp, step, m)
-    return _grid_record(c, v, step, factored, top)
+    *_, c, top = _grid([v], None if m is None else [m], [hp], step)
+    return _grid_record(c.clone(), v, step, factored, top)  # not the kernel's scratch: the record outlives it
 
 
 def _grid_record(c: torch.Tensor, v: torch.Tensor, step: float, factored: bool, cmax: int | None = None
@@ -224,6 +259,11 @@ def v_from_denominator(D: torch.Tensor, hp: AdamHP, shape, dtype: torch.dtype = 
     return _map_f64(D, lambda w: w.sub_(hp.eps).clamp_min_(0).square_().mul_(hp.bc2), dtype).reshape(shape)
 
 
+# bytes of a batch's fp32 / int32 temporaries kept per thread between saves (codec/scratch.py): a
+# small model's fresh pages cost more than its kernels (~2.5 us a page on a VM); a batch holds up to
+# methods/moments.BATCH_NUMEL (1M) elements, larger tensors get fresh arrays that are not kept
+_KEEP = 1 << 22
+
 # elements per pass of the chunked maps on the CPU (one reused buffer); a multiple of every SIMD width,
 # so each element takes the vectorized or the scalar path it takes in one pass over the whole tensor
 _CHUNK = 1 << 20
@@ -280,8 +320,8 @@ def _quantize_ms(mf: torch.Tensor, D: torch.Tensor | None, ms: list[torch.Tensor
         raise ConfigError(f"moment group must be an int >= 1, got {group!r}")
     if not 0.0 <= prune < 1.0:
         raise ConfigError(f"moment prune must be in [0, 1), got {prune}")
-    if bits == 1 and len(ms) == 1 and mf.numel() > _CHUNK and mf.numel() % group == 0 and _use_kernels(mf):
-        return [_sign_chunked(mf, D, ms[0], group=group, prune=prune)]
+    if bits == 1 and _use_kernels(mf):
+        return _sign_fused(mf, D, ms, group=group, prune=prune)
     u = mf if D is None else mf / D.reshape(-1).to(mf.device)
     ns = [x.numel() for x in ms]
     pads = [(-n) % group for n in ns]
@@ -313,12 +353,6 @@ def _quantize_ms(mf: torch.Tensor, D: torch.Tensor | None, ms: list[torch.Tensor
             if pad:  # the last group is short: its RMS over its real elements
                 s[end // group - 1] = u[at + n - (group - pad):at + n].square().mean().sqrt()
     s = s.to(torch.bfloat16)
-    if bits == 1 and _use_kernels(ug):  # z, its sign and the zero level in one pass (quant/momentkernels.py)
-        out = np.empty(tuple(ug.shape), dtype=np.uint8)
-        K.sign_tail(ug.numpy(), s.float().clamp_min(1e-38).numpy(),
-                    (cut.reshape(-1) if cut is not None else ug.new_empty(0)).numpy(), out)
-        return _split_m(torch.from_numpy(out).reshape(-1), s, levels, ms, starts, ns, bits=bits, group=group,
-                        prune=prune, normalized=D is not None)
     z = ug / s.float().clamp_min(1e-38)[:, None]
     signed = levels[levels != 0]
     bounds = (signed[1:] + signed[:-1]) / 2
@@ -339,42 +373,38 @@ def _cut_stride(n: int) -> int:
 
 
 def _kept_mean(a: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Each row's mean |u| over what it keeps (the L2-optimal 1-bit scale); ``a`` is overwritten."""
-    return a.mul_(keep).sum(1) / keep.sum(1).clamp_min(1)
+    """Each row's mean |u| over what it keeps (the L2-optimal 1-bit scale), summed in fp64 and
+    rounded once to fp32 (as sign_kernel: an fp32 sum's order differs between CPUs and devices,
+    an fp64 sum's last bits do not reach the fp32, let alone the bf16 scale); ``a`` is overwritten."""
+    return a.masked_fill_(~keep, 0).double().sum(1).div_(keep.sum(1).clamp_min(1)).float()
 
 
-def _sign_chunked(mf: torch.Tensor, D: torch.Tensor | None, m: torch.Tensor, *, group: int, prune: float
-                  ) -> QuantizedTensor:
-    """_quantize_ms of one large tensor of whole groups at 1 bit with the CPU kernel, by chunks of
-    rows through reused buffers: u, |u| and the keep mask of the whole tensor were 9 fresh bytes an
-    element. The same codes and scales (tests/test_quant_moments.py): the cut from the same strided
-    sample of |u|, each row's scale from its own elements."""
-    n, rows = mf.numel(), mf.numel() // group
-    d = D.reshape(-1).to(mf.device) if D is not None else None
-    cut = None
+def _sign_fused(mf: torch.Tensor, D: torch.Tensor | None, ms: list[torch.Tensor], *, group: int, prune: float
+                ) -> list[QuantizedTensor]:
+    """_quantize_ms at 1 bit by the CPU kernels (quant/momentkernels.py): each tensor's cut from the
+    same strided sample of |u|, then each group's scale and codes in one pass that reads m and D
+    (no u, |u| or keep mask of the whole batch: 9 bytes an element). The reference's results
+    (tests/test_quant_moments.py)."""
+    ns = [x.numel() for x in ms]
+    offsets = _cumsum(ns)
+    m = mf.numpy()
+    d = m[:0] if D is None else D.reshape(-1).to(torch.float32).contiguous().numpy()
+    cuts = np.zeros(len(ns), dtype=np.float32)
     if prune > 0:
-        stride = _cut_stride(n)
-        sample = mf[::stride] if d is None else mf[::stride] / d[::stride]
-        cut = _quantile(sample.abs(), prune)
-    per = max(1, _CHUNK // group)  # rows per chunk
-    ubuf, abuf = torch.empty(per * group), torch.empty(per * group)
-    kbuf = torch.ones(per * group, dtype=torch.bool)  # all kept where nothing is pruned
-    scale = torch.empty(rows, dtype=torch.bfloat16)
-    out = np.empty((rows, group), dtype=np.uint8)
-    cuts = (cut.expand(per) if cut is not None else torch.empty(0)).contiguous().numpy()
-    for r0 in range(0, rows, per):
-        r = min(per, rows - r0)
-        x = mf[r0 * group:(r0 + r) * group]
-        ug = (x if d is None else torch.div(x, d[r0 * group:(r0 + r) * group], out=ubuf[:r * group])).view(r, group)
-        a = torch.abs(ug, out=abuf[:r * group].view(r, group))
-        keep = kbuf[:r * group].view(r, group)
-        if cut is not None:
-            torch.gt(a, cut, out=keep)
-        s = _kept_mean(a, keep).to(torch.bfloat16)
-        scale[r0:r0 + r] = s
-        K.sign_tail(ug.numpy(), s.float().clamp_min(1e-38).numpy(), cuts[:r], out[r0:r0 + r])  # empty: no cut
-    return _split_m(torch.from_numpy(out).reshape(-1), scale, levels_table(1, prune), [m], [0, n], [n], bits=1,
-                    group=group, prune=prune, normalized=D is not None)[0]
+        strides = [_cut_stride(n) for n in ns]
+        at = _cumsum([-(-n // st) for n, st in zip(ns, strides)])
+        sample = scratch("moments.sample", int(at[-1]), np.float32, keep=_KEEP)
+        K.abs_sample(m, d, offsets, np.array(strides, dtype=np.int64), at, sample)
+        for i, n in enumerate(ns):
+            if n:
+                cuts[i] = float(_quantile(torch.from_numpy(sample[at[i]:at[i + 1]]), prune))
+    rows = [-(-n // group) for n in ns]
+    scale = np.empty(sum(rows), dtype=np.int16)
+    out = np.empty(sum(rows) * group, dtype=np.uint8)
+    K.sign_kernel(m, d, offsets, group, cuts, prune > 0, scale.view(np.uint16), out)
+    starts = [group * int(r) for r in _cumsum(rows)]
+    return _split_m(torch.from_numpy(out), torch.from_numpy(scale).view(torch.bfloat16), levels_table(1, prune), ms,
+                    starts, ns, bits=1, group=group, prune=prune, normalized=D is not None)
 
 
 def _split_m(codes: torch.Tensor, s: torch.Tensor, levels: torch.Tensor, ms: list[torch.Tensor], starts: list[int],
@@ -494,18 +524,15 @@ def encode_pairs_levels(pairs: list[tuple[torch.Tensor, torch.Tensor, AdamHP]], 
     if not pairs:
         return []
     ms, vs = [p[0] for p in pairs], [p[1] for p in pairs]
-    vf, mf = _f32_cat(vs, "exp_avg_sq"), _f32_cat(ms, "exp_avg")
     ns = [v.numel() for v in vs]
-    bc2, eps = (_per_element([getattr(hp, k) for *_, hp in pairs], ns, vf) for k in ("bc2", "eps"))
-    D = _denominator(vf, bc2, eps)
-    c, top = _grid_codes(vf, D, eps, codec.v_step, mf)
+    _, mf, D, c, top = _grid(vs, ms, [hp for *_, hp in pairs], codec.v_step)
     cs = [c[at:at + n] for at, n in zip(_offsets(ns), ns)]
     qvs = [_grid_record(ci, v, codec.v_step, codec.factored, top) for ci, v in zip(cs, vs)]
     # v is final: its codes and levels narrowed before m's pass allocates its own temporaries (on
     # a large tensor int64 codes and levels were 16 of the ~39 bytes an element a save peaked at)
     for qv in qvs:
-        qv.codes = compact(qv.codes, qv.n_levels)
-    cs = [qv.codes if not qv.meta["factored"] else compact(ci, int(ci.max()) + 1) for qv, ci in zip(qvs, cs)]
+        qv.codes = _own(compact(qv.codes, qv.n_levels), c)
+    cs = [qv.codes if not qv.meta["factored"] else _own(compact(ci, int(ci.max()) + 1), c) for qv, ci in zip(qvs, cs)]
     del c
     if not codec.m_bits:
         return [(None, qv, ci) for qv, ci in zip(qvs, cs)]
@@ -513,6 +540,12 @@ def encode_pairs_levels(pairs: list[tuple[torch.Tensor, torch.Tensor, AdamHP]], 
         D = torch.cat([decode_denominator(qv, hp, ci) for qv, (*_, hp), ci in zip(qvs, pairs, cs)])
     qms = _quantize_ms(mf, D, ms, bits=codec.m_bits, group=codec.group, prune=codec.prune)
     return list(zip(qms, qvs, cs))
+
+
+def _own(x: torch.Tensor, scratch_codes: torch.Tensor) -> torch.Tensor:
+    """``x``, copied if it still holds the scratch codes' memory (int32 levels: compact kept them)."""
+    same = x.untyped_storage().data_ptr() == scratch_codes.untyped_storage().data_ptr()
+    return x.clone() if same else x
 
 
 def _per_element(values: list[float], ns: list[int], like: torch.Tensor) -> float | torch.Tensor:
@@ -524,15 +557,15 @@ def _per_element(values: list[float], ns: list[int], like: torch.Tensor) -> floa
     return torch.cat([like.new_full((n,), x) for x, n in zip(values, ns)])
 
 
-def _f32_cat(xs: list[torch.Tensor], name: str) -> torch.Tensor:
-    """_f32 of each tensor, concatenated: one finite check for all (the one that fails is named by _f32)."""
+def _cat32(xs: list[torch.Tensor], name: str) -> torch.Tensor:
+    """The flat fp32 values of ``xs``, one after the other (a view of a lone flat fp32 tensor); on
+    the CPU in this thread's scratch buffer ``name``, valid until the next save's batch."""
     if len(xs) == 1:
-        return _f32(xs[0], name)
-    out = torch.cat([x.detach().reshape(-1).to(torch.float32) for x in xs])
-    if not all_finite(out):
-        for x in xs:
-            _f32(x, name)
-    return out
+        return xs[0].detach().reshape(-1).to(torch.float32)
+    flat = [x.detach().reshape(-1).to(torch.float32) for x in xs]
+    if any(x.device.type != "cpu" for x in flat):
+        return torch.cat(flat)
+    return torch.cat(flat, out=torch.from_numpy(scratch(name, sum(x.numel() for x in flat), np.float32, keep=_KEEP)))
 
 
 def decode_pair(qm: QuantizedTensor | None, qv: QuantizedTensor, hp: AdamHP, m_dtype: str = "float32"
