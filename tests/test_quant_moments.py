@@ -251,7 +251,8 @@ def test_numba_kernels_equal_the_torch_reference(codec, overflow, monkeypatch):
         v[::5] = 0
         m[::10] = 0
         m[5::20] = -0.0
-        pairs.append((m, v, M.AdamHP(step=5 + i, beta2=0.999 - 0.01 * (i % 2), eps=1e-45 if overflow and not i else 1e-8)))
+        eps = 1e-45 if overflow and not i else 1e-8
+        pairs.append((m, v, M.AdamHP(step=5 + i, beta2=0.999 - 0.01 * (i % 2), eps=eps)))
     calls = []
     for name in ("grid_kernel", "sign_kernel"):
         kernel = getattr(M.K, name)

@@ -8,8 +8,8 @@ far below the truth (m / D too large: the first updates explode, bench/resume.py
 ``step`` (in log2 units, so a level is a factor 2**step in D): code c = round(t / step) (half up,
 exactly: by comparing D / eps with the grid's fp32 bounds, ``grid_bounds``), at least 1 for any
 v > 0 or m != 0, and 0 only where v == 0 and m == 0 (an exact zero). D, and m / D below, are
-correctly rounded fp32 (``base.sqrt_rn``): the codes are the same on every machine and device. The grid does not
-depend on the tensor or the checkpoint, so a v that moved by less than a bin keeps its code and
+correctly rounded fp32 (``base.sqrt_rn``): the codes are the same on every machine and device.
+The grid does not depend on the tensor or the checkpoint, so a v that moved by less than a bin keeps its code and
 the code delta against the previous checkpoint is zero (v moves slowly at beta2 = 0.999).
 Decode: D_q = eps * 2**(c * step), v_q = (D_q - eps)**2 * (1 - beta2**step_count). Coding D
 rather than v is PaddleNLP's "store the step factor" idea: every v below ~eps**2 is one level.
@@ -20,8 +20,8 @@ and the residual r = c - a_i - b_j is coded (zigzag); a and b are exact int16 si
 **m: the normalized direction at 1-3 bits.** u = m / D (``normalize="true"``: the exact D, so
 the restored first update m_q / D_q = u_q approximates the true one; ``"decoded"``: D_q, as the
 v0.1 recipe normalizes), split into groups of ``group`` consecutive elements; each group has a
-bf16 scale s (mean |u| of what it keeps for 1 bit, summed in fp64; RMS otherwise) and z = u / s is rounded to a
-fixed level table (1 bit: sign; 2 and 3 bits: Lloyd-Max levels of a unit Gaussian). ``prune`` > 0
+bf16 scale s (mean |u| of what it keeps for 1 bit, summed in fp64; RMS otherwise) and z = u / s is
+rounded to a fixed level table (1 bit: sign; 2 and 3 bits: Lloyd-Max levels of a unit Gaussian). ``prune`` > 0
 adds a zero level for |u| at or below the quantile ``prune`` of |u| (ExCP's momentum pruning by
 magnitude; 1 bit + prune = ternary).
 Decode: u_q = levels[code] * s, m_q = u_q * D_q, and 0 where v has the zero level (both exactly
@@ -161,7 +161,8 @@ def _grid(vs: list[torch.Tensor], ms: list[torch.Tensor] | None, hps: list[AdamH
     mf = None if ms is None else _cat32(ms, "moments.m")
     ns = [v.numel() for v in vs]
     if _use_kernels(vf):  # the whole pass in one kernel (quant/momentkernels.py)
-        D, out = (scratch(k, vf.numel(), t, keep=_KEEP) for k, t in (("moments.D", np.float32), ("moments.c", np.int32)))
+        D = scratch("moments.D", vf.numel(), np.float32, keep=_KEEP)
+        out = scratch("moments.c", vf.numel(), np.int32, keep=_KEEP)
         per = [np.array([getattr(hp, k) for hp in hps], dtype=np.float32) for k in ("bc2", "eps")]
         top = int(K.grid_kernel(vf.numpy(), vf.numpy()[:0] if mf is None else mf.numpy(), _cumsum(ns), *per, lo,
                                 thr, table, width, D, out))
@@ -388,7 +389,7 @@ def _sign_fused(mf: torch.Tensor, D: torch.Tensor | None, ms: list[torch.Tensor]
     ns = [x.numel() for x in ms]
     offsets = _cumsum(ns)
     m = mf.numpy()
-    d = m[:0] if D is None else D.reshape(-1).to(torch.float32).contiguous().numpy()
+    d = m[:0] if D is None else D.reshape(-1).to("cpu", torch.float32).contiguous().numpy()
     cuts = np.zeros(len(ns), dtype=np.float32)
     if prune > 0:
         strides = [_cut_stride(n) for n in ns]
