@@ -239,11 +239,12 @@ def _use_numba(backend: str) -> bool:
 if _numba is not None:
     _gain_kernel = _numba.njit(cache=True, nogil=True)(_gain_py)
 
+    from .streamframe import _count_kernel  # the coders' byte count pass
+
     @_numba.njit(cache=True, nogil=True)
     def _sample_gain_kernel(sample):  # pragma: no cover - compiled
         counts = np.zeros(256, dtype=np.int64)
-        for v in sample:
-            counts[v] += 1
+        _count_kernel(sample, 0, counts)
         return _gain_kernel(counts, sample.size)
 
     # word helpers; W (bytes a word) is a constant of each kernel below, so these unroll

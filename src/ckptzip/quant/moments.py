@@ -183,7 +183,8 @@ def _grid(vs: list[torch.Tensor], ms: list[torch.Tensor] | None, hps: list[AdamH
 
 
 def _cumsum(ns: list[int]) -> np.ndarray:
-    """Segment offsets of concatenated tensors of sizes ``ns`` (int64, len(ns) + 1)."""
+    """Where each of the concatenated flat tensors of sizes ``ns`` starts, then their total (int64,
+    len(ns) + 1: the kernels' segment offsets)."""
     return np.concatenate([[0], np.cumsum(ns, dtype=np.int64)]).astype(np.int64)
 
 
@@ -331,7 +332,7 @@ def _quantize_ms(mf: torch.Tensor, D: torch.Tensor | None, ms: list[torch.Tensor
         starts.append(starts[-1] + n + pad)
     if any(pads):  # each tensor's last group padded with zeros
         pieces = []
-        for at, n, pad in zip(_offsets(ns), ns, pads):
+        for at, n, pad in zip(_cumsum(ns).tolist(), ns, pads):
             pieces += [u[at:at + n], u.new_zeros(pad)] if pad else [u[at:at + n]]
         ug = torch.cat(pieces).reshape(-1, group)
     else:
@@ -350,7 +351,7 @@ def _quantize_ms(mf: torch.Tensor, D: torch.Tensor | None, ms: list[torch.Tensor
         s = _kept_mean(a, keep)
     else:
         s = ug.square().sum(1).div_(torch.full_like(ug[:, 0], group)).sqrt_()
-        for at, end, n, pad in zip(_offsets(ns), starts[1:], ns, pads):
+        for at, end, n, pad in zip(_cumsum(ns).tolist(), starts[1:], ns, pads):
             if pad:  # the last group is short: its RMS over its real elements
                 s[end // group - 1] = u[at + n - (group - pad):at + n].square().mean().sqrt()
     s = s.to(torch.bfloat16)
@@ -416,15 +417,6 @@ def _split_m(codes: torch.Tensor, s: torch.Tensor, levels: torch.Tensor, ms: lis
                             shape=tuple(m.shape), dtype=dtype_name(m.dtype), side={"scale": s[at // group:end // group]},
                             meta=dict(meta))
             for m, at, end, n in zip(ms, starts, starts[1:], ns)]
-
-
-def _offsets(ns: list[int]) -> list[int]:
-    """Where each of the concatenated flat tensors of sizes ``ns`` starts."""
-    out, at = [], 0
-    for n in ns:
-        out.append(at)
-        at += n
-    return out
 
 
 def _quantile(x: torch.Tensor, q: float) -> torch.Tensor:
@@ -527,7 +519,7 @@ def encode_pairs_levels(pairs: list[tuple[torch.Tensor, torch.Tensor, AdamHP]], 
     ms, vs = [p[0] for p in pairs], [p[1] for p in pairs]
     ns = [v.numel() for v in vs]
     _, mf, D, c, top = _grid(vs, ms, [hp for *_, hp in pairs], codec.v_step)
-    cs = [c[at:at + n] for at, n in zip(_offsets(ns), ns)]
+    cs = [c[at:at + n] for at, n in zip(_cumsum(ns).tolist(), ns)]
     qvs = [_grid_record(ci, v, codec.v_step, codec.factored, top) for ci, v in zip(cs, vs)]
     # v is final: its codes and levels narrowed before m's pass allocates its own temporaries (on
     # a large tensor int64 codes and levels were 16 of the ~39 bytes an element a save peaked at)
