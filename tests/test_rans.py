@@ -60,6 +60,25 @@ def test_batch_kernel_writes_rans_encode_bytes():
             # None only where rans_encode's general normalization takes over (~30k distinct deltas)
             assert all(g == w or (g is None and B == 70_000) for g, w in zip(got, want)), (dtype, delta)
             assert sum(g is None for g in got) <= 1
+    # many streams of each lane count: the kernel groups single-lane streams by four and two-lane
+    # ones by two, sorted by length, odd and even counts; values above zero and spans on either
+    # side of the value-row table's limit (_VALUE_ROWS); long runs of one value (delta codes)
+    sizes = [int(n) for n in rng.choice([3, 64, 65, 130, 999, 1500, 1501, 3001, 4000, 6000, 30_001, 120_000], 40)]
+    sizes += [30_000, 33_001, 36_000]                        # two-lane streams, odd and even
+    for B in (40, R._VALUE_ROWS + 7, 5000):
+        cur = []
+        for j, n in enumerate(sizes):
+            c = np.where(rng.random(n) < 0.87, 0, rng.integers(0, B, n)) + (j % 3)  # lo 0, 1 or 2
+            if j % 4 == 0:
+                c[0] = B - 1                                   # the widest span
+            cur.append(np.minimum(c, B - 1).astype(np.int16))
+        prev = [np.where(rng.random(n) < 0.9, c, rng.integers(0, B, n)).astype(np.int16) for c, n in zip(cur, sizes)]
+        offsets = np.cumsum([0] + sizes)
+        delta = np.arange(len(sizes)) % 3 == 0
+        got = R.rans_encode_codes(np.concatenate(cur), offsets, np.full(len(sizes), B), np.concatenate(prev), delta)
+        want = [R.rans_encode((p.astype(np.int64) - c) % B if d else c) for c, p, d in zip(cur, prev, delta)]
+        assert got == want, B
+        assert {R.rans_decode(g)[0] >= 0 for g in got} == {True}
     bad = np.array([0, 1, 7, 1, 0, 1 << 30], dtype=np.int64)  # [7] outside B = 4; then a sparse alphabet
     got = R.rans_encode_codes(bad, np.array([0, 2, 4, 6]), np.array([4, 4, 1 << 31]))
     assert got == [R.rans_encode(bad[:2]), None, None]

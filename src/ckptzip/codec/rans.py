@@ -71,6 +71,9 @@ _LANE_PAYLOAD = {4: 12_000, 2: 3_000}
 _LANE_BITS = (8 * _LANE_PAYLOAD[4], 8 * _LANE_PAYLOAD[2])  # the kernels' copy
 _MAGIC_BYTES = tuple(_MAGIC)
 _SCRATCH_KEEP = 1 << 24  # rans_encode_codes's buffers kept per thread up to 16 MiB (a large model's: fresh)
+# a batch stream whose values span at most this many keeps them (less the smallest) as its symbols:
+# its encode table gets a row per value in the span, and no pass maps values to ranks
+_VALUE_ROWS = 1024
 
 
 # =========================================================================== public API
@@ -128,20 +131,20 @@ def rans_encode_codes(cur: np.ndarray, offsets: np.ndarray, n_levels: np.ndarray
     sizes = np.diff(offsets)
     distinct = int(np.minimum(sizes, levels).sum())
     vals, freqs = np.empty(distinct, dtype=np.int64), np.empty(distinct, dtype=np.int64)
-    ks, Ps, lanes, caps = (np.zeros(n_seg, dtype=np.int64) for _ in range(4))
+    ks, Ps, lanes, caps, rows = (np.zeros(n_seg, dtype=np.int64) for _ in range(5))
     vo = np.zeros(n_seg + 1, dtype=np.int64)
     status = np.zeros(n_seg, dtype=np.int8)
     # the symbols, then their ranks, in the narrowest type that holds every level
     top = int(levels.max()) - 1 if n_seg else 0
     dtype = next(t for t in (np.uint8, np.uint16, np.uint32, np.int64) if top <= np.iinfo(t).max)
     ranks = scratch(f"rans.ranks.{np.dtype(dtype).name}", cur.size, dtype, keep=_SCRATCH_KEEP)
-    _alphabets_kernel(cur, prev, offsets, delta, levels, ranks, vals, freqs, vo, ks, Ps, lanes, caps, status)
+    _alphabets_kernel(cur, prev, offsets, delta, levels, ranks, vals, freqs, vo, ks, Ps, lanes, caps, rows, status)
     # each stream's words within rans_encode's bound; the bytes: header, tables, words
     ends = np.cumsum(caps)
     words = scratch("rans.words", int(ends[-1] if n_seg else 0), np.uint32, keep=_SCRATCH_KEEP)
     out = scratch("rans.out", int((4 * caps + 20 * ks + 64).sum()), np.uint8, keep=_SCRATCH_KEEP)
     at = np.zeros(n_seg + 1, dtype=np.int64)
-    _streams_kernel(offsets, ranks, vals, freqs, vo, ks, Ps, lanes, words, ends, out, at, status)
+    _streams_kernel(offsets, ranks, vals, freqs, vo, ks, Ps, lanes, rows, words, ends, out, at, status)
     view = memoryview(out)
     return [None if status[s] else seal(view[at[s]:at[s + 1]]) for s in range(n_seg)]
 
@@ -391,6 +394,13 @@ if HAVE_NUMBA:
         out[pos - 1] = w
         return x, pos - np.int64(e)
 
+    @_numba.njit(inline="always")
+    def _push_u(x, t, s, out, pos):  # pragma: no cover - compiled
+        """_push at an unsigned position: numba checks a signed index for wraparound per access."""
+        x, w, e = _enc(x, t, s)
+        out[pos - np.uint64(1)] = w
+        return x, pos - np.uint64(e)
+
     @_numba.njit(cache=True, nogil=True)
     def _encode_kernel(sym, lo, lut, freqs, P, lanes, out):  # pragma: no cover - compiled
         """Encode sym (backwards; symbol v has rank lut[v - lo]) into out's tail, the lanes' final
@@ -413,6 +423,17 @@ if HAVE_NUMBA:
         # group first checks room for its words and the lanes' flush in front
         if lanes == 4:
             while i >= 3:
+                m = min((i + 1) // 4, 64)
+                if pos > 4 * m + 8:  # room for every word of m groups: unsigned, unchecked (as _encode_four)
+                    u, q = np.uint64(i), np.uint64(pos)
+                    for _ in range(m):
+                        x3, q = _push_u(x3, t, lut[sym[u] - lo], out, q)
+                        x2, q = _push_u(x2, t, lut[sym[u - np.uint64(1)] - lo], out, q)
+                        x1, q = _push_u(x1, t, lut[sym[u - np.uint64(2)] - lo], out, q)
+                        x0, q = _push_u(x0, t, lut[sym[u - np.uint64(3)] - lo], out, q)
+                        u -= np.uint64(4)
+                    i, pos = i - 4 * m, np.int64(q)
+                    continue
                 if pos <= 12:
                     return -1
                 x3, pos = _push(x3, t, lut[sym[i] - lo], out, pos)
@@ -422,6 +443,15 @@ if HAVE_NUMBA:
                 i -= 4
         elif lanes == 2:
             while i >= 1:
+                m = min((i + 1) // 2, 64)
+                if pos > 2 * m + 4:
+                    u, q = np.uint64(i), np.uint64(pos)
+                    for _ in range(m):
+                        x1, q = _push_u(x1, t, lut[sym[u] - lo], out, q)
+                        x0, q = _push_u(x0, t, lut[sym[u - np.uint64(1)] - lo], out, q)
+                        u -= np.uint64(2)
+                    i, pos = i - 2 * m, np.int64(q)
+                    continue
                 if pos <= 6:
                     return -1
                 x1, pos = _push(x1, t, lut[sym[i] - lo], out, pos)
@@ -537,11 +567,12 @@ if HAVE_NUMBA:
         return pos == nw and x0 == _UL and x1 == _UL and x2 == _UL and x3 == _UL
 
     @_numba.njit(cache=True, nogil=True)
-    def _alphabets_kernel(cur, prev, offsets, delta, levels, ranks, vals, freqs, vo, ks, Ps, lanes, caps,
+    def _alphabets_kernel(cur, prev, offsets, delta, levels, ranks, vals, freqs, vo, ks, Ps, lanes, caps, rows,
                           status):  # pragma: no cover - compiled
-        """rans_encode_codes's first pass: each segment's symbols as ranks in its alphabet
-        (ranks[a:e]), the alphabet (vals[vo[s]:vo[s+1]]), its frequencies, P, lanes and the words
-        its stream may push (rans_encode's bound); status[s] = 1: left to rans_encode."""
+        """rans_encode_codes's first pass: each segment's symbols (ranks[a:e]: values less the
+        smallest where rows[s] > 0, the span; else ranks in its alphabet), the alphabet
+        (vals[vo[s]:vo[s+1]]), its frequencies, P, lanes and the words its stream may push
+        (rans_encode's bound); status[s] = 1: left to rans_encode."""
         for s in range(offsets.size - 1):
             vo[s + 1] = vo[s]
             a, n, B = offsets[s], offsets[s + 1] - offsets[s], levels[s]
@@ -556,9 +587,9 @@ if HAVE_NUMBA:
                     d = np.int64(p[i]) - np.int64(c[i])
                     r[i] = d + B if d < 0 else d
                 lo, hi = _minmax_kernel(r)
-                k = _alphabet(r, lo, hi, r, vals[vo[s]:], freqs[vo[s]:]) if ok else -1
+                k, rows[s] = _alphabet(r, lo, hi, r, True, vals[vo[s]:], freqs[vo[s]:]) if ok else (-1, 0)
             else:
-                k = _alphabet(c, lo, hi, r, vals[vo[s]:], freqs[vo[s]:]) if ok else -1
+                k, rows[s] = _alphabet(c, lo, hi, r, False, vals[vo[s]:], freqs[vo[s]:]) if ok else (-1, 0)
             if k < 0:
                 status[s] = 1
                 continue
@@ -575,15 +606,17 @@ if HAVE_NUMBA:
             vo[s + 1] = vo[s] + k
 
     @_numba.njit(cache=True, nogil=True)
-    def _streams_kernel(offsets, ranks, vals, freqs, vo, ks, Ps, lanes, words, ends, out, at,
+    def _streams_kernel(offsets, ranks, vals, freqs, vo, ks, Ps, lanes, rows, words, ends, out, at,
                         status):  # pragma: no cover - compiled
         """rans_encode_codes's words (segment s pushes down from ends[s], at most caps[s]; the
-        single-lane streams four at a time: one stream's states form a chain of dependent multiplies,
-        four chains keep the core busy), then each stream's bytes (without the CRC) at out[at[s]:at[s+1]]."""
+        single-lane streams four at a time, the two-lane ones two at a time, each group of similar
+        lengths: one lane's states form a chain of dependent multiplies, four chains keep the core
+        busy), then each stream's bytes (without the CRC) at out[at[s]:at[s+1]]."""
         S = offsets.size - 1
         first = np.zeros(S, np.int64)
         single = np.empty(S + 3, np.int64)
-        n1 = 0
+        double = np.empty(S + 1, np.int64)
+        n1 = n2 = 0
         for s in range(S):
             if status[s] or ks[s] < 2:
                 continue
@@ -591,17 +624,28 @@ if HAVE_NUMBA:
                 single[n1] = s
                 n1 += 1
                 continue
-            a, n, w0 = offsets[s], offsets[s + 1] - offsets[s], ends[s - 1] if s else 0
-            ident = np.arange(ks[s]).astype(np.int32)
-            f = freqs[vo[s]:vo[s + 1]].astype(np.uint64)
-            got = _encode_kernel(ranks[a:a + n], 0, ident, f, Ps[s], lanes[s], words[w0:ends[s]])
+            if lanes[s] == 2:
+                double[n2] = s
+                n2 += 1
+                continue
+            w0 = ends[s - 1] if s else 0
+            got = _encode_kernel(ranks[offsets[s]:offsets[s + 1]], 0, _rank_of(s, vals, vo, ks, rows),
+                                 freqs[vo[s]:vo[s + 1]].astype(np.uint64), Ps[s], lanes[s], words[w0:ends[s]])
             if got < 0:  # past the bound (it holds: never seen)
                 status[s] = 1
             first[s] = w0 + got
+        # streams of similar length side by side: a group runs as long as its longest stream
+        sizes = offsets[1:] - offsets[:-1]
+        single[:n1] = single[:n1][np.argsort(sizes[single[:n1]], kind="mergesort")]
+        double[:n2] = double[:n2][np.argsort(sizes[double[:n2]], kind="mergesort")]
         for j in range(n1, n1 + 3):
             single[j] = S  # no stream
+        double[n2] = S
         for j in range(0, n1, 4):
-            _encode_four(single[j:j + 4], offsets, ranks, freqs, vo, Ps, words, ends, first, status, S)
+            _encode_four(single[j:j + 4], offsets, ranks, vals, freqs, vo, ks, Ps, rows, words, ends, first, status, S)
+        for j in range(0, n2, 2):
+            _encode_two_pairs(double[j], double[j + 1], offsets, ranks, vals, freqs, vo, ks, Ps, rows, words, ends,
+                              first, status, S)
         pos = 0
         for s in range(S):  # the bytes
             at[s] = pos
@@ -634,13 +678,15 @@ if HAVE_NUMBA:
         return pos
 
     @_numba.njit(cache=True, nogil=True)
-    def _alphabet(sym, lo, hi, ranks, vals, counts):  # pragma: no cover - compiled
-        """sym's distinct values (in [lo, hi]) into vals and their counts, each symbol's rank among
-        them into ranks (may be sym itself) -> k; -1 where rans_encode takes its general path (a
-        sparse alphabet, too many distinct values)."""
+    def _alphabet(sym, lo, hi, ranks, in_place, vals, counts):  # pragma: no cover - compiled
+        """sym's distinct values (in [lo, hi]) into vals and their counts, each symbol into ranks
+        (``in_place``: ranks is sym) -> (k, rows): where the span is at most _VALUE_ROWS, rows is
+        the span and the symbol is its value less lo, else rows is 0 and the symbol its rank among
+        the values. k is -1 where rans_encode takes its general path (a sparse alphabet, too many
+        distinct values)."""
         n = sym.size
         if n and hi - lo >= max(1 << 22, 2 * n):
-            return -1
+            return -1, 0
         span = hi - lo + 1 if n else 0
         cnt = np.zeros(span, dtype=np.int64)
         _count_kernel(sym, lo, cnt)
@@ -649,27 +695,47 @@ if HAVE_NUMBA:
         for v in range(span):
             if cnt[v]:
                 if k == _MAX_DISTINCT:
-                    return -1
+                    return -1, 0
                 vals[k], counts[k], lut[v] = v + lo, cnt[v], k
                 k += 1
+        if span <= _VALUE_ROWS:
+            if lo or not in_place:
+                for i in range(np.uint64(n)):  # vectorizes (the lookup below does not)
+                    ranks[i] = sym[i] - lo
+            return k, span
         for i in range(n):
             ranks[i] = lut[sym[i] - lo]
-        return k
+        return k, 0
 
     @_numba.njit(cache=True, nogil=True)
-    def _encode_four(group, offsets, ranks, freqs, vo, Ps, words, ends, first, status,
+    def _encode_four(group, offsets, ranks, vals, freqs, vo, ks, Ps, rows, words, ends, first, status,
                      none):  # pragma: no cover - compiled
         """Four single-lane streams at once (segments ``group``; ``none``: no stream), each pushing
         its words down from ends[s] as _encode_kernel(lanes=1) does; first[s] = its first word. A
         stream that would pass its region's start (rans_encode's bound holds: never seen) stops
         and is left to rans_encode (status)."""
         s0, s1, s2, s3 = group[0], group[1], group[2], group[3]
-        t0, n0, a0, p0, l0 = _stream(s0, offsets, freqs, vo, Ps, ends, none)
-        t1, n1, a1, p1, l1 = _stream(s1, offsets, freqs, vo, Ps, ends, none)
-        t2, n2, a2, p2, l2 = _stream(s2, offsets, freqs, vo, Ps, ends, none)
-        t3, n3, a3, p3, l3 = _stream(s3, offsets, freqs, vo, Ps, ends, none)
+        t0, n0, a0, p0, l0 = _stream(s0, offsets, vals, freqs, vo, ks, Ps, rows, ends, none)
+        t1, n1, a1, p1, l1 = _stream(s1, offsets, vals, freqs, vo, ks, Ps, rows, ends, none)
+        t2, n2, a2, p2, l2 = _stream(s2, offsets, vals, freqs, vo, ks, Ps, rows, ends, none)
+        t3, n3, a3, p3, l3 = _stream(s3, offsets, vals, freqs, vo, ks, Ps, rows, ends, none)
         x0 = x1 = x2 = x3 = _UL
-        for i in range(max(max(n0, n1), max(n2, n3)) - 1, -1, -1):
+        i = max(max(n0, n1), max(n2, n3)) - 1
+        common = min(min(n0, n1), min(n2, n3))
+        while i >= 0:
+            m = min(i + 1, 64)
+            if i < common and min(min(p0 - l0, p1 - l1), min(p2 - l2, p3 - l3)) > m:
+                # all four streams, room for a word a symbol: no tests per symbol (~25 % faster)
+                b0, b1, b2, b3 = np.uint64(a0 + i), np.uint64(a1 + i), np.uint64(a2 + i), np.uint64(a3 + i)
+                q0, q1, q2, q3 = np.uint64(p0), np.uint64(p1), np.uint64(p2), np.uint64(p3)
+                for u in range(np.uint64(m)):
+                    x0, q0 = _push_u(x0, t0, ranks[b0 - u], words, q0)
+                    x1, q1 = _push_u(x1, t1, ranks[b1 - u], words, q1)
+                    x2, q2 = _push_u(x2, t2, ranks[b2 - u], words, q2)
+                    x3, q3 = _push_u(x3, t3, ranks[b3 - u], words, q3)
+                p0, p1, p2, p3 = np.int64(q0), np.int64(q1), np.int64(q2), np.int64(q3)
+                i -= m
+                continue
             if i < n0 and p0 > l0:
                 x0, p0 = _push(x0, t0, ranks[a0 + i], words, p0)
             if i < n1 and p1 > l1:
@@ -678,19 +744,94 @@ if HAVE_NUMBA:
                 x2, p2 = _push(x2, t2, ranks[a2 + i], words, p2)
             if i < n3 and p3 > l3:
                 x3, p3 = _push(x3, t3, ranks[a3 + i], words, p3)
+            i -= 1
         _flush_one(s0, x0, p0 if p0 > l0 else l0, l0, words, first, status, none)
         _flush_one(s1, x1, p1 if p1 > l1 else l1, l1, words, first, status, none)
         _flush_one(s2, x2, p2 if p2 > l2 else l2, l2, words, first, status, none)
         _flush_one(s3, x3, p3 if p3 > l3 else l3, l3, words, first, status, none)
 
     @_numba.njit(cache=True, nogil=True)
-    def _stream(s, offsets, freqs, vo, Ps, ends, none):  # pragma: no cover - compiled
-        """(encode table, symbol count, first symbol, words end, words start) of segment s; no
-        symbols and no words for ``none``."""
+    def _encode_two_pairs(sa, sb, offsets, ranks, vals, freqs, vo, ks, Ps, rows, words, ends, first, status,
+                          none):  # pragma: no cover - compiled
+        """Two two-lane streams at once (segment sb may be ``none``), each written as
+        _encode_kernel(lanes=2) writes it: lane i mod 2 takes symbol i, backwards from the last,
+        the lanes sharing one word position; first[s] = its first word."""
+        ta, na, aa, pa, la = _stream(sa, offsets, vals, freqs, vo, ks, Ps, rows, ends, none)
+        tb, nb, ab, pb, lb = _stream(sb, offsets, vals, freqs, vo, ks, Ps, rows, ends, none)
+        xa0 = xa1 = xb0 = xb1 = _UL
+        if na % 2:  # an odd count: the last symbol is lane 0's alone
+            xa0, pa = _push(xa0, ta, ranks[aa + na - 1], words, pa)
+        if nb % 2:
+            xb0, pb = _push(xb0, tb, ranks[ab + nb - 1], words, pb)
+        ga, gb = na // 2, nb // 2  # whole pairs
+        oka, okb = True, True
+        g = max(ga, gb) - 1
+        while g >= 0:
+            m = min(g + 1, 64)
+            if g < min(ga, gb) and min(pa - la, pb - lb) > 2 * m + 4:  # as _encode_four
+                ua, ub = np.uint64(aa + 2 * g), np.uint64(ab + 2 * g)
+                qa, qb = np.uint64(pa), np.uint64(pb)
+                for u in range(np.uint64(0), np.uint64(2 * m), np.uint64(2)):
+                    xa1, qa = _push_u(xa1, ta, ranks[ua - u + np.uint64(1)], words, qa)
+                    xa0, qa = _push_u(xa0, ta, ranks[ua - u], words, qa)
+                    xb1, qb = _push_u(xb1, tb, ranks[ub - u + np.uint64(1)], words, qb)
+                    xb0, qb = _push_u(xb0, tb, ranks[ub - u], words, qb)
+                pa, pb = np.int64(qa), np.int64(qb)
+                g -= m
+                continue
+            if g < ga and oka:
+                oka = pa - la > 6
+                if oka:
+                    xa1, pa = _push(xa1, ta, ranks[aa + 2 * g + 1], words, pa)
+                    xa0, pa = _push(xa0, ta, ranks[aa + 2 * g], words, pa)
+            if g < gb and okb:
+                okb = pb - lb > 6
+                if okb:
+                    xb1, pb = _push(xb1, tb, ranks[ab + 2 * g + 1], words, pb)
+                    xb0, pb = _push(xb0, tb, ranks[ab + 2 * g], words, pb)
+            g -= 1
+        _flush_two(sa, xa0, xa1, pa, oka, words, first, status, none)
+        _flush_two(sb, xb0, xb1, pb, okb, words, first, status, none)
+
+    @_numba.njit(inline="always")
+    def _flush_two(s, x0, x1, p, ok, words, first, status, none):  # pragma: no cover - compiled
+        """Two lanes' final states in front of their words, lane 0 first, high word first."""
+        if s != none:
+            if not ok:  # past the bound (it holds: never seen)
+                status[s] = 1
+            else:
+                words[p - 4] = np.uint32(x0 >> _U32)
+                words[p - 3] = np.uint32(x0 & _LO)
+                words[p - 2] = np.uint32(x1 >> _U32)
+                words[p - 1] = np.uint32(x1 & _LO)
+                first[s] = p - 4
+
+    @_numba.njit(cache=True, nogil=True)
+    def _stream(s, offsets, vals, freqs, vo, ks, Ps, rows, ends, none):  # pragma: no cover - compiled
+        """(encode table by symbol, symbol count, first symbol, words end, words start) of segment
+        s; no symbols and no words for ``none``."""
         if s == none:
             return _encode_tables(np.ones(2, np.uint64), 1), 0, 0, 0, 0
-        return _encode_tables(freqs[vo[s]:vo[s + 1]].astype(np.uint64), Ps[s]), offsets[s + 1] - offsets[s], \
-            offsets[s], ends[s], ends[s - 1] if s else 0
+        t = _encode_tables(freqs[vo[s]:vo[s + 1]].astype(np.uint64), Ps[s])
+        if rows[s]:  # a row per value in the span (absent values' rows are never read)
+            by_value = np.zeros((rows[s], 4), np.uint64)
+            rank = _rank_of(s, vals, vo, ks, rows)
+            for v in range(rows[s]):
+                if rank[v] >= 0:
+                    by_value[v] = t[rank[v]]
+            t = by_value
+        return t, offsets[s + 1] - offsets[s], offsets[s], ends[s], ends[s - 1] if s else 0
+
+    @_numba.njit(cache=True, nogil=True)
+    def _rank_of(s, vals, vo, ks, rows):  # pragma: no cover - compiled
+        """Segment s's rank of each of its symbols (-1: absent): of each value in the span where
+        rows[s] > 0, else of each rank."""
+        if not rows[s]:
+            return np.arange(ks[s]).astype(np.int32)
+        rank = np.full(rows[s], -1, np.int32)
+        for j in range(ks[s]):
+            rank[vals[vo[s] + j] - vals[vo[s]]] = j
+        return rank
 
     @_numba.njit(inline="always")
     def _flush_one(s, x, p, lo, words, first, status, none):  # pragma: no cover - compiled

@@ -319,19 +319,18 @@ if _numba is not None:
             for v in sym:
                 cnt[v - lo] += 1
             return
-        # small alphabets: four interleaved tables. A skewed stream increments one counter over and
-        # over, and each increment waits for the previous one's store; four chains run in parallel
-        c = np.zeros((4, k), dtype=np.int64)
-        n4 = sym.size - sym.size % 4
-        for i in range(0, n4, 4):
-            c[0, sym[i] - lo] += 1
-            c[1, sym[i + 1] - lo] += 1
-            c[2, sym[i + 2] - lo] += 1
-            c[3, sym[i + 3] - lo] += 1
-        for i in range(n4, sym.size):
+        # small alphabets: eight interleaved tables. A skewed stream increments one counter over and
+        # over, and each increment waits for the previous one's store; eight chains run in parallel
+        # (0.45 -> 0.33 ns a symbol against four, on delta codes 87 % one value)
+        c = np.zeros((8, k), dtype=np.int64)
+        n8 = np.uint64(sym.size - sym.size % 8)
+        for i in range(np.uint64(0), n8, np.uint64(8)):  # unsigned: no wraparound test per access
+            for j in range(8):
+                c[j, sym[i + np.uint64(j)] - lo] += 1
+        for i in range(n8, np.uint64(sym.size)):
             c[0, sym[i] - lo] += 1
         for j in range(k):
-            cnt[j] += c[0, j] + c[1, j] + c[2, j] + c[3, j]
+            cnt[j] += c[0, j] + c[1, j] + c[2, j] + c[3, j] + c[4, j] + c[5, j] + c[6, j] + c[7, j]
 
     @_numba.njit(inline="always")
     def _put_varint(out, pos, v):  # pragma: no cover - compiled
