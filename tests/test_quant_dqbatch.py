@@ -169,3 +169,35 @@ def test_level_bounds_row_by_row():
         for i, r in enumerate(rows):
             one = level_bounds(r, domain)
             assert torch.equal(b[i, :one.numel()], one) and bool(torch.isinf(b[i, one.numel():]).all())
+
+
+def test_trimmed_sketch_rows_equal_the_partition_pass():
+    # without gradients the partition's rows are the sketch's signed rows less the pruned values
+    # (smallest |x| of each sign) and the protected ones (largest): equal to the full pass on
+    # zeros of both signs, values under the zero bucket's bound, thresholds on values and on
+    # bucket edges, no pruning, no protection, a protect bound inside the zero bucket
+    from ckptzip.logbuckets import HAVE_NUMBA, lookup_table, segment_histograms
+    from ckptzip.quant.dqbatch import Chunk, _partition_hist
+    if not HAVE_NUMBA:
+        pytest.skip("the partition kernels are numba's")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5000, generator=g) * torch.logspace(-4, 1, 5000)
+    x[::7] = 0.0
+    x[1::11] = -0.0
+    x[2::13] = 1e-33 * torch.sign(torch.randn(x[2::13].shape, generator=g))  # zero bucket, not zero
+    z = float(lookup_table(0.01, 1e-30).zero_bound)
+    x[3::17] = z
+    segs = [x[:1200], x[1200:1201], x[1201:1201], x[1201:3000], -x[3000:].abs(), x[3000:].abs()]
+    c = Chunk([f"t{i}" for i in range(len(segs))], [s.contiguous() for s in segs], [None] * len(segs))
+    signed, = segment_histograms(c.x, c.offsets, alpha=0.01, kinds=("signed",))
+    signed = tuple(t.numpy() for t in signed)
+    v = x.abs()
+    cuts = [-math.inf, 0.0, 1e-33, z, float(v.kthvalue(1000).values), float(v.kthvalue(2500).values), 0.05, math.inf]
+    cases = [(p, m) for p in cuts for m in cuts if m >= max(p, 0.0)]
+    for prune, pm in cases:
+        params = [(prune, False, pm, math.inf, False)] * len(segs)
+        want = _partition_hist(c, params, 0.01)
+        got = _partition_hist(c, params, 0.01, signed)
+        for a, b in zip(want[0], got[0]):
+            assert torch.equal(a, b), (prune, pm)
+        assert list(want[1]) == list(got[1]) and list(want[2]) == list(got[2]), (prune, pm)

@@ -63,7 +63,8 @@ def boundary_table(alpha: float, min_value: float = 1e-30, max_abs: float = 0.0)
 
 class _Lut:
     """Per-(alpha, min_value) lookup tables over float32 bits for the numba kernels: cell
-    f = |bits| >> shift; ordinal = key[f] + (|x| > bound[f]); key[f] = -1 marks inf/NaN cells."""
+    f = |bits| >> shift; ordinal = key[f] + (|x| > bound[f]); key[f] = -1 marks inf/NaN cells.
+    ``zero_bound``: ordinal 0 iff not |x| > zero_bound."""
 
     def __init__(self, alpha: float, min_value: float):
         b = boundary_table(alpha, min_value)
@@ -87,6 +88,8 @@ class _Lut:
         k_lo[~finite] = -1
         self.key = k_lo.to(torch.int32).numpy()
         self.bound = b32.numpy()
+        z = np.float32(b[0])  # the zero bucket is |x| <= b[0]: as a float32 compare, rounded down too
+        self.zero_bound = z if float(z) <= float(b[0]) else np.nextafter(z, np.float32(-np.inf))
 
 
 @lru_cache(maxsize=16)

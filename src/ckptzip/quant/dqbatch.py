@@ -13,7 +13,8 @@ plain-torch reference; ``quantize_tensors`` returns the same plan and the same Q
    histograms, inf/NaN checked on the way; merged per layer type -> thresholds
    (``layer_type_plan``, shared with the reference); prune caps by one batched quantile;
 3. partition pass: per tensor the histogram of its *quantized* values (neither pruned nor
-   protected), and its pruned / protected counts;
+   protected), and its pruned / protected counts; without gradients, the sketch's signed rows
+   trimmed by counts from a compare-only pass (dqkernels.py);
 4. k-means: every tensor's histogram in one ``histogram_centers`` call per bins value;
 5. assign pass: codes (uint8 when the levels fit, else int16 / int32) and the protected values
    in index order.
@@ -37,7 +38,7 @@ from ..sketch import LogSketch
 from ..tensorbytes import dtype_name
 from . import dynaquant as dq
 from .base import QuantizedTensor
-from .dqkernels import assign_kernel, partition_hist_kernel
+from .dqkernels import assign_kernel, partition_counts_kernel, partition_hist_kernel, trim_rows_kernel
 from .levels import from_domain, histogram_centers, level_bounds
 
 __all__ = ["quantize_tensors", "fast_path", "Sketched", "Chunk", "row_quantiles", "CHUNK"]
@@ -130,6 +131,7 @@ class Sketched:
         self.chunks = _pack(self.order, {n: self.specs[n][0] for n in self.order}, grads_of)
         self.has_grad = set(grads_of)
         self._rows = None  # name -> (|x| row, |x g| row | None), from the sketch pass
+        self._signed = None  # per chunk: its signed rows (numpy CSR), which the partition trims
 
     def rows(self) -> dict:
         """The sketch pass (once): name -> (|x| row, |x g| row or None, signed row), histogram rows
@@ -143,11 +145,12 @@ class Sketched:
                     sens, = segment_histograms(c.x * c.g, c.offsets, alpha=self.alpha, names=c.names, kinds=("abs",))
                 return mag, sens, signed
 
-            rows = {}
+            rows, self._signed = {}, []
             for c, (mag, sens, signed) in zip(self.chunks, thread_map(sketch, self.chunks, self.threads)):
                 for i, n in enumerate(c.names):
                     rows[n] = (_row(mag, i), _row(sens, i) if sens is not None and n in self.has_grad else None,
                                _row(signed, i))
+                self._signed.append(tuple(t.numpy() for t in signed))
             self._rows = rows
         return self._rows
 
@@ -207,11 +210,13 @@ class Sketched:
         """Partition pass: each tensor's quantized-value histogram, pruned and protected counts."""
         params = {n: _partition_params(n, plan) for n in self.order}
 
-        def partition(c: Chunk):
-            return _partition_hist(c, [params[n] for n in c.names], plan.config.alpha)
+        def partition(job):
+            c, signed = job
+            return _partition_hist(c, [params[n] for n in c.names], plan.config.alpha, signed)
 
         hist, n_pruned, n_prot = {}, {}, {}
-        for c, (h, npr, npt) in zip(self.chunks, thread_map(partition, self.chunks, self.threads)):
+        jobs = list(zip(self.chunks, self._signed or [None] * len(self.chunks)))
+        for c, (h, npr, npt) in zip(self.chunks, thread_map(partition, jobs, self.threads)):
             for i, n in enumerate(c.names):
                 hist[n], n_pruned[n], n_prot[n] = _row(h, i), int(npr[i]), int(npt[i])
         return hist, n_pruned, n_prot
@@ -307,11 +312,22 @@ def _views(c: Chunk):
     return x.view(np.int32), x, g
 
 
-def _partition_hist(c: Chunk, params, alpha: float):
+def _partition_hist(c: Chunk, params, alpha: float, signed=None):
     t = lookup_table(float(alpha), 1e-30)
     M = int(t.key.max())
     bits, x, g = _views(c)
     T = len(c.names)
+    # without gradients, and no value both pruned and protected: the sketch's rows, trimmed
+    if signed is not None and all(not p[4] and p[2] >= max(p[0], 0.0) for p in params):
+        prune, _, pm, _, _ = _param_arrays(params)
+        cnt = np.empty((T, 6), np.int64)
+        partition_counts_kernel(bits, x, c.offsets, prune, pm, t.zero_bound, cnt)
+        ords, counts, ptr = signed
+        q_ords, q_counts, q_ptr = np.empty(ords.size, np.int64), np.empty(ords.size, np.int64), np.zeros(T + 1, np.int64)
+        trim_rows_kernel(ords, counts, ptr, cnt, q_ords, q_counts, q_ptr)
+        n = int(q_ptr[-1])
+        return (torch.from_numpy(q_ords[:n]), torch.from_numpy(q_counts[:n]), torch.from_numpy(q_ptr)), \
+            cnt[:, 0], cnt[:, 2]
     cap = int(np.minimum(np.diff(c.offsets), 2 * M + 1).sum())
     ords, counts = np.empty(cap, np.int64), np.empty(cap, np.int64)
     ptr = np.zeros(T + 1, np.int64)

@@ -9,6 +9,12 @@ protected values equal)::
     bad = partition_hist_kernel(...)   # quantized-value histogram rows, pruned / protected counts
     assign_kernel(...)                 # codes and the protected values in index order
 
+Where no segment uses a gradient and none protects a value it prunes, the partition's rows come
+from the sketch's signed rows instead (``partition_counts_kernel`` counts, ``trim_rows_kernel``):
+a bucket holds one band of |x|, so the pruned values of one sign are the first of its rows' cells
+in |x| order and the protected ones the last. Counting needs compares only (it vectorizes), and
+no value is bucketed twice.
+
 and the decoder's lookup, ``dequantize_kernel`` (reference: ``dynaquant.dequantize_reference``).
 """
 from __future__ import annotations
@@ -22,7 +28,8 @@ if HAVE_NUMBA:
 
     from ..logbuckets import bucket_fold, emit_counts
 
-__all__ = ["partition_hist_kernel", "assign_kernel", "dequantize_kernel"]
+__all__ = ["partition_hist_kernel", "partition_counts_kernel", "trim_rows_kernel", "assign_kernel",
+           "dequantize_kernel"]
 
 if HAVE_NUMBA:
     @_numba.njit(cache=True, nogil=True, inline="always")
@@ -64,6 +71,82 @@ if HAVE_NUMBA:
             n_pruned[s] = npr
             n_prot[s] = npt
         return -1
+
+    @_numba.njit(cache=True, nogil=True)
+    def partition_counts_kernel(bits, x, offsets, prune, pm, zero_bound, out):  # pragma: no cover - compiled
+        """Per segment s, as _part sees them without a gradient: out[s] = (pruned, pruned and
+        negative, protected, protected and negative, in the zero bucket, in it and negative); the
+        zero bucket is |x| <= zero_bound (float32, rounded down as lookup_table's bounds)."""
+        z = np.float32(0.0)
+        for s in range(offsets.shape[0] - 1):
+            a_n = a_neg = c_n = c_neg = z_n = z_neg = 0
+            for i in range(np.uint64(offsets[s]), np.uint64(offsets[s + 1])):  # selects: vectorizes
+                v = x[i]
+                a = abs(v)
+                neg = bits[i] < 0
+                prn = (v == z) | (a < prune[s])
+                prt = a > pm[s]
+                zb = not (a > zero_bound)
+                a_n += prn
+                a_neg += prn & neg
+                c_n += prt
+                c_neg += prt & neg
+                z_n += zb
+                z_neg += zb & neg
+            out[s, 0], out[s, 1], out[s, 2], out[s, 3], out[s, 4], out[s, 5] = a_n, a_neg, c_n, c_neg, z_n, z_neg
+
+    @_numba.njit(cache=True, nogil=True)
+    def trim_rows_kernel(ords, counts, ptr, cnt, q_ords, q_counts, q_ptr):  # pragma: no cover - compiled
+        """Each segment's signed row (ords, counts, ptr: emit_counts's order, negative ordinals
+        from the most negative, the zero bucket one cell of both signs) less, one sign at a time,
+        its pruned values from the smallest |x| up and its protected ones from the largest down
+        (cnt: partition_counts_kernel's) -> the quantized values' rows as partition_hist_kernel
+        emits them (cells of count 0 dropped)."""
+        n = 0
+        for s in range(ptr.shape[0] - 1):
+            a, e = ptr[s], ptr[s + 1]
+            c = counts[a:e].copy()
+            o = ords[a:e]
+            nonneg = 0  # the first cell at or above ordinal 0
+            while nonneg < o.size and o[nonneg] < 0:
+                nonneg += 1
+            zc = nonneg if nonneg < o.size and o[nonneg] == 0 else -1
+            for neg in (True, False):
+                pruned = cnt[s, 1] if neg else cnt[s, 0] - cnt[s, 1]
+                prot = cnt[s, 3] if neg else cnt[s, 2] - cnt[s, 3]
+                zs = cnt[s, 5] if neg else cnt[s, 4] - cnt[s, 5]  # this sign's share of the zero cell
+                take = min(pruned, zs)  # the zero bucket holds the smallest |x|
+                if take:
+                    c[zc] -= take
+                pruned -= take
+                zs -= take
+                # this sign's other cells from the smallest |x| (first) to the largest (last)
+                if neg:
+                    first, last, step = nonneg - 1, 0, -1
+                else:
+                    first, last, step = nonneg + (zc >= 0), o.size - 1, 1
+                if (last - first) * step < 0:
+                    first = last + step  # none: both walks end at once
+                j = first
+                while pruned and j != last + step:
+                    t = min(pruned, c[j])
+                    c[j] -= t
+                    pruned -= t
+                    j += step
+                j = last
+                while prot and j != first - step:
+                    t = min(prot, c[j])
+                    c[j] -= t
+                    prot -= t
+                    j -= step
+                if prot:  # protected zero-bucket values: a protect bound below the zero bucket's
+                    c[zc] -= min(prot, zs)
+            for j in range(o.size):
+                if c[j]:
+                    q_ords[n] = o[j]
+                    q_counts[n] = c[j]
+                    n += 1
+            q_ptr[s + 1] = n
 
     def _assign_range(width: int):
         """Codes of x[a:e] against boundaries b padded to ``width`` with +inf (0: any width, by
@@ -125,7 +208,7 @@ if HAVE_NUMBA:
                         prot[q] = x[i]
                         q += 1
 else:  # pragma: no cover
-    partition_hist_kernel = assign_kernel = None
+    partition_hist_kernel = partition_counts_kernel = trim_rows_kernel = assign_kernel = None
 
 
 if HAVE_NUMBA:
