@@ -264,3 +264,7 @@ def test_segment_histograms_equal_per_segment_sketches(digits_snapshots):
     bad[int(offsets[2]) + 3] = float("nan")
     with pytest.raises(NonFiniteError, match="w2"):
         segment_histograms(bad, offsets, names=[f"w{i}" for i in range(len(parts))])
+    bad = flat.clone()
+    bad[-1500] = -float("inf")  # in the last segment's second block of values
+    with pytest.raises(NonFiniteError, match="w7"):
+        segment_histograms(bad, offsets, names=[f"w{i}" for i in range(len(parts))])

@@ -33,6 +33,7 @@ __all__ = ["boundary_table", "zero_key", "lookup_table", "segment_histograms", "
 HAVE_NUMBA = _numba is not None
 _F32_MAX = float(torch.finfo(torch.float32).max)
 _CHUNK = 1 << 22  # reference path: elements per searchsorted (bounds float64 temporaries)
+_BLOCK = 1024     # _hist_kernel's values per block (their buckets: 4 KiB, in L1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,38 +237,35 @@ if HAVE_NUMBA:
     def _hist_kernel(bits, vals, offsets, shift, key, bound, M, signed, absolute, ords, counts, ptr,
                      a_ords, a_counts, a_ptr):  # pragma: no cover
         """Dense counts per segment, then its non-zero cells in ordinal order. Returns the first
-        segment holding inf/NaN, or -1. Four interleaved count rows: consecutive values mostly hit
-        the same bucket, and one row would serialise on its store-to-load dependency (2.3x slower)."""
+        segment holding inf/NaN, or -1. A block's buckets first (bucket_fold inlined: the loop
+        vectorizes, unsigned indices and no stores to the counts in it), then its counts into four
+        interleaved rows: consecutive values mostly hit the same bucket, and one row would
+        serialise on its store-to-load dependency (1.6 -> 1.2 ns a value against one loop)."""
         d = np.zeros((4, 2 * M + 2), dtype=np.int64)
+        block = np.empty(_BLOCK, np.int32)
+        sh = np.uint32(shift)
         n = 0
         na = 0
         for s in range(offsets.shape[0] - 1):
-            a, e = offsets[s], offsets[s + 1]
+            a, e = np.uint64(offsets[s]), np.uint64(offsets[s + 1])
             lo, hi = 2 * M + 1, 0
-            i = a
-            while i + 4 <= e:
-                j0 = bucket_fold(bits[i], vals[i], shift, key, bound)
-                j1 = bucket_fold(bits[i + 1], vals[i + 1], shift, key, bound)
-                j2 = bucket_fold(bits[i + 2], vals[i + 2], shift, key, bound)
-                j3 = bucket_fold(bits[i + 3], vals[i + 3], shift, key, bound)
-                m = min(min(j0, j1), min(j2, j3))
-                if m < 0:
+            while a < e:
+                m = min(e - a, np.uint64(_BLOCK))
+                blo, bhi = np.int32(2 * M + 1), np.int32(0)
+                for t in range(m):
+                    x = bits[a + t]
+                    f = np.uint32(x & 0x7FFFFFFF) >> sh
+                    j = ((key[f] + (abs(vals[a + t]) > bound[f])) << 1) | ((x >> 31) & 1)
+                    block[t] = j
+                    blo = min(blo, j)
+                    bhi = max(bhi, j)
+                if blo < 0:  # key -1: inf/NaN
                     return s
-                d[0, j0] += 1
-                d[1, j1] += 1
-                d[2, j2] += 1
-                d[3, j3] += 1
-                lo = min(lo, m)
-                hi = max(hi, max(max(j0, j1), max(j2, j3)))
-                i += 4
-            while i < e:
-                j0 = bucket_fold(bits[i], vals[i], shift, key, bound)
-                if j0 < 0:
-                    return s
-                d[0, j0] += 1
-                lo = min(lo, j0)
-                hi = max(hi, j0)
-                i += 1
+                for t in range(m):
+                    d[t & np.uint64(3), np.uint64(block[t])] += 1
+                lo = min(lo, blo)
+                hi = max(hi, bhi)
+                a += m
             if signed:
                 n = emit_counts(d, lo, hi, False, not absolute, ords, counts, n)
                 ptr[s + 1] = n
