@@ -725,7 +725,7 @@ if HAVE_NUMBA:
         while i >= 0:
             m = min(i + 1, 64)
             if i < common and min(min(p0 - l0, p1 - l1), min(p2 - l2, p3 - l3)) > m:
-                # all four streams, room for a word a symbol: no tests per symbol (~25 % faster)
+                # all four streams, room for a word a symbol: no tests per symbol, unsigned indices
                 b0, b1, b2, b3 = np.uint64(a0 + i), np.uint64(a1 + i), np.uint64(a2 + i), np.uint64(a3 + i)
                 q0, q1, q2, q3 = np.uint64(p0), np.uint64(p1), np.uint64(p2), np.uint64(p3)
                 for u in range(np.uint64(m)):
