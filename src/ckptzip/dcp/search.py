@@ -129,12 +129,9 @@ class ShardedTrialRunner(TrialRunner):
         rows = dist.all_gather_rows([est, raw], self.shard_group)
         return sum(r[0] for r in rows), sum(r[1] for r in rows)
 
-    def _trial_row(self, c) -> list[float]:
-        q = self._quantize(c)
-        est, raw = self._trial_estimate(c, q)  # the same on every rank: the estimates were gathered
-        v = self.judge.check({n: reconstruction(self.method, qt) for n, qt in q.items() if self.judge.covers(n)})
-        self.local_evals += 1
-        return [float(v.feasible), v.degradation, v.score, est, raw]
+    def _replacements(self, q: dict) -> dict:
+        # this shard's judge covers its own records; the estimates were gathered, the same on every rank
+        return {n: reconstruction(self.method, qt) for n, qt in q.items() if self.judge.covers(n)}
 
 
 def search_knobs(method, shard: ShardState, reference, *, model, eval_fn, threshold: float,

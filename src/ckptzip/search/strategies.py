@@ -176,9 +176,13 @@ class TrialRunner:
     def _trial_row(self, c: Candidate) -> list[float]:
         q = self._quantize(c)
         est, raw = self._trial_estimate(c, q)
-        v = self.judge.check({n: reconstruction(self.method, qt, n) for n, qt in q.items()})
+        v = self.judge.check(self._replacements(q))
         self.local_evals += 1
         return [float(v.feasible), v.degradation, v.score, est, raw]
+
+    def _replacements(self, q: dict) -> dict:
+        """The judge's replacements for one trial's quantized weights."""
+        return {n: reconstruction(self.method, qt, n) for n, qt in q.items()}
 
     # --- rounds ------------------------------------------------------------------------------
     def cached(self, c: Candidate) -> Trial | None:
