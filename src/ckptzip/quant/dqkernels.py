@@ -9,13 +9,13 @@ protected values equal)::
     bad = partition_hist_kernel(...)   # quantized-value histogram rows, pruned / protected counts
     assign_kernel(...)                 # codes and the protected values in index order
 
+and the decoder's lookup, ``dequantize_kernel`` (reference: ``dynaquant.dequantize_reference``).
+
 Where no segment uses a gradient and none protects a value it prunes, the partition's rows come
 from the sketch's signed rows instead (``partition_counts_kernel`` counts, ``trim_rows_kernel``):
 a bucket holds one band of |x|, so the pruned values of one sign are the first of its rows' cells
 in |x| order and the protected ones the last. Counting needs compares only (it vectorizes), and
 no value is bucketed twice.
-
-and the decoder's lookup, ``dequantize_kernel`` (reference: ``dynaquant.dequantize_reference``).
 """
 from __future__ import annotations
 
