@@ -2,6 +2,7 @@
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,6 +131,28 @@ def test_prune_cut_selection_equals_its_torch_reference(n):
         got, ref = M._quantile(x, q), M._quantile_reference(x, q)
         assert got.dtype == ref.dtype == torch.float32 and torch.equal(got, ref), (n, q)
         assert torch.allclose(got, torch.quantile(x, q))
+
+
+@pytest.mark.skipif(not M.K.HAVE_NUMBA, reason="the selection kernel needs numba")
+def test_batched_order_statistics_equal_kthvalue_on_every_segment():
+    # segments of every shape the radix select meets: one value, all equal (the bucket is the whole
+    # segment), the rank's bucket its last (the next value lies in a later bucket), signed values,
+    # a range of 2**200, and segments of a strided sample's length
+    g = torch.Generator().manual_seed(0)
+    segs = [torch.tensor([3.5]), torch.full((500,), 0.25), torch.tensor([1.0, 1.0 + 2**-20, 7.0]),
+            torch.randn(1000, generator=g), torch.randn(4000, generator=g).mul(2.0 ** 100).abs(),
+            torch.randn(4000, generator=g).exp().mul(1e-30), (torch.randn(65536, generator=g) * 8).round().abs(),
+            torch.rand(70_001, generator=g)]
+    x = torch.cat(segs)
+    at = np.array([0] + [s.numel() for s in segs]).cumsum()
+    for q in (0.0, 0.01, 0.5, 0.999, 1.0):
+        got = M._quantiles(x.numpy(), at, q)
+        for s, seg in enumerate(segs):
+            ref = M._quantile_reference(seg, q)
+            assert got[s].dtype == torch.float32 and torch.equal(got[s], ref), (s, q, got[s], ref)
+    lo, hi = np.empty(2, np.float32), np.empty(2, np.float32)
+    M.K.order_pairs(np.array([2.0, -0.0, 0.0, -3.0], np.float32), np.array([0, 4, 4]), np.array([1, 0]), lo, hi)
+    assert str(lo[0]) == "-0.0" and str(hi[0]) == "0.0"  # -0 below +0: a sort's order
 
 
 def test_all_finite_is_finite_in_fp32():

@@ -36,6 +36,7 @@ from .configcheck import OneOf, Range, check_args
 from .errors import (ChainBusyError, CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError,
                      StepOrderError, StorageError, WriteConflictError, malformed)
 from .format import CHECKSUMS, DEFAULT_CHECKSUM, container_payload, decode_container, header_sha256, read_manifest
+from .gcpause import collector_paused
 from .index import INDEX, Entry, Index, checkpoint_file, dumps, file_matches, parse, replay_path
 from .lease import Lease
 from .methods.base import DecodeContext, EncodeContext, Encoded, Method, Reference, get_method, method_for_file
@@ -160,6 +161,7 @@ class CheckpointChain:
         self._claim()
 
     # --- save -----------------------------------------------------------------------------
+    @collector_paused()
     def save(self, state: dict | FlatState, step: int, *, model: torch.nn.Module | None = None,
              optimizer: torch.optim.Optimizer | None = None, ctx: EncodeContext | None = None) -> Entry:
         """Encode and commit one checkpoint. Returns its index entry."""
@@ -278,6 +280,7 @@ class CheckpointChain:
         """The training state of ``step`` (latest when None), as the objects that were saved."""
         return self.restore(step).state
 
+    @collector_paused()
     def restore(self, step: int | None = None, *, device: str | torch.device = "cpu") -> Restored:
         for attempt in range(READ_ATTEMPTS):
             base = self._load_index()

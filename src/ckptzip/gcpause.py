@@ -1,0 +1,43 @@
+"""Python's cyclic garbage collector paused over a save or a restore.
+
+A save allocates thousands of short-lived containers (records, manifest dicts, per-blob lists) that
+reference counting frees. With the collector on they still trigger several young-generation
+collections per save, and every few saves a full collection over every object the process holds (a
+training script holds hundreds of thousands: torch, transformers, its data): about 15 % of a small
+model's save (docs/BENCHMARKS.md, "The collector paused over a save"). So the collector is paused
+for the duration and the one deferred young collection runs at the end, inside the save: whatever
+cyclic garbage the save made is freed there, before it returns.
+
+Process-wide, as ``gc`` is: while a thread is inside a paused region no thread's cyclic garbage is
+collected (reference counting still frees everything acyclic). Concurrent and nested regions share
+one pause, lifted when the last ends; a collector the caller disabled stays disabled.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+
+_lock = threading.Lock()
+_depth = 0           # regions open now, across threads
+_resume = False      # whether the collector was on when the first of them began
+
+
+@contextlib.contextmanager
+def collector_paused():
+    global _depth, _resume
+    with _lock:
+        if _depth == 0:
+            _resume = gc.isenabled()
+            gc.disable()
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            resume = _depth == 0 and _resume
+            if resume:
+                gc.enable()
+        if resume:
+            gc.collect(0)  # the young collection the region deferred, paid by the region
