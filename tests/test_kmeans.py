@@ -221,12 +221,15 @@ def _histograms(snapshots, kind, sigma, min_numel=1):
 def test_kmeans_rows_numba_equals_torch_and_rows_are_independent(digits_snapshots, kind):
     from ckptzip.kmeans import kmeans_rows
 
-    rows = _histograms(digits_snapshots, kind, 0.2)
-    for k in (4, 16, 33):
-        fast = kmeans_rows([c for c, _ in rows], [n for _, n in rows], k, sigma=0.2)
-        ref = kmeans_rows([c for c, _ in rows], [n for _, n in rows], k, sigma=0.2, backend="torch")
+    # with rows of two and three points, and one without counts (weights by magnitude, or none at sigma 1)
+    rows = _histograms(digits_snapshots, kind, 0.2) + [
+        (torch.tensor([-1.0, 2.0], dtype=torch.float64), torch.tensor([3, 1])),
+        (torch.tensor([0.0, 0.5, 4.0], dtype=torch.float64), torch.tensor([0, 0, 0]))]
+    for k, sigma in ((1, 0.2), (2, 1.0), (4, 0.2), (16, 0.2), (16, 1.0), (33, 0.2)):
+        fast = kmeans_rows([c for c, _ in rows], [n for _, n in rows], k, sigma=sigma)
+        ref = kmeans_rows([c for c, _ in rows], [n for _, n in rows], k, sigma=sigma, backend="torch")
         assert all(torch.equal(a, b) for a, b in zip(fast, ref)), k
-        alone = [kmeans_rows([c], [n], k, sigma=0.2)[0] for c, n in rows]
+        alone = [kmeans_rows([c], [n], k, sigma=sigma)[0] for c, n in rows]
         assert all(torch.equal(a, b) for a, b in zip(fast, alone)), k
         for (c, _), out in zip(rows, fast):
             assert out.numel() == min(k, c.numel()) and bool((out[1:] > out[:-1]).all())

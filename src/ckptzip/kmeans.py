@@ -35,8 +35,8 @@ so centers start at quantiles of (w_i / s_i)^e * s_i (s_i: spacing of the sorted
 point i, w_i: its weight) for e = 1/3 and 1/2 (more to the sparse tails), each at three quantile
 grids ((i + .5)/k, i/(k - 1), (i + .25)/(k - .5)); all rows and their six seedings run one
 batched Lloyd (padded rows, converged rows frozen, so a row's result does not depend on its
-batch; a numba kernel beside the plain-torch loop, identical bits) and each row keeps its seeding
-of lowest weighted SSE. On the tensors DynaQuant quantizes (>= 1024 values: every 2-D tensor and
+batch) and each row keeps its seeding of lowest weighted SSE: plain torch, and beside it two numba
+kernels around torch's pow doing the same (identical bits). On the tensors DynaQuant quantizes (>= 1024 values: every 2-D tensor and
 Adam moment of a trained byte-level GPT, and of the digits MLP) its SSE is 0.97-1.00x that of
 ``weighted_kmeans_1d`` on average, at most 1.06x, for k = 4..32 and sigma 0.2 / 1
 (tests/test_kmeans.py); it costs a few dozen torch ops per *batch* instead of thousands per tensor.
@@ -155,7 +155,7 @@ def kmeans_rows(points, counts, k: int, *, sigma: float = 1.0, max_iter: int = 1
     k-means domain) and their counts; each row is weighted as ``bucket_weights(points, counts,
     sigma)``. Returns per row the (m,) float64 centers on CPU sorted ascending, m = min(k, B_r);
     a row with B_r <= k gets its points. A row's result is the same whatever else is in the batch
-    (sums run in order over padded rows). ``backend``: "auto" (numba Lloyd when installed),
+    (sums run in order over padded rows). ``backend``: "auto" (the numba kernels when installed),
     "numba" or "torch" (the reference; both give identical bits).
     """
     _check_args(k, sigma, max_iter, tol)
@@ -167,18 +167,20 @@ def kmeans_rows(points, counts, k: int, *, sigma: float = 1.0, max_iter: int = 1
     if not todo:
         return out
     rows = [xs[r] for r in todo]
+    cnts = [torch.as_tensor(counts[r]).reshape(-1).to("cpu", torch.float64) for r in todo]
     n = torch.tensor([x.numel() for x in rows], dtype=torch.int64)
     # pad with the batch's largest point at zero count: every sum, and every searchsorted of a
     # row's midpoints (all below its own last point), is what the row alone gives
     pad = float(max(float(x[-1]) for x in rows))
-    x = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)          # (R, B)
-    cnt = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(counts[r]).reshape(-1).to("cpu", torch.float64)
-                                           for r in todo], batch_first=True)           # (R, B)
-    w = _weights_rows(x, cnt, n, sigma)
-    lloyd = _lloyd_rows if backend == "torch" or _numba is None else _lloyd_rows_numba
-    c, cost = lloyd(x, w, n, _density_seeds(x, w, n, k), max_iter, tol)              # (R, S, k), (R, S)
-    best = cost.argmin(1)                                                              # first seeding wins ties
-    pick = c[torch.arange(len(todo)), best]
+    if backend == "torch" or _numba is None:
+        x = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)      # (R, B)
+        cnt = torch.nn.utils.rnn.pad_sequence(cnts, batch_first=True)                  # (R, B)
+        w = _weights_rows(x, cnt, n, sigma)
+        c, cost = _lloyd_rows(x, w, n, _density_seeds(x, w, n, k), max_iter, tol)      # (R, S, k), (R, S)
+        best = cost.argmin(1)                                                          # first seeding wins ties
+        pick = c[torch.arange(len(todo)), best]
+    else:
+        pick = _kmeans_rows_numba(rows, cnts, n, pad, k, sigma, max_iter, tol)
     for i, r in enumerate(todo):
         out[r] = pick[i]
     return out
@@ -212,8 +214,7 @@ def _density_seeds(x: torch.Tensor, w: torch.Tensor, n: torch.Tensor, k: int) ->
     s[:, 0], s[:, -1] = x[:, 1] - x[:, 0], 0.0
     s = torch.where(j == last, x.gather(1, last) - x.gather(1, last - 1), s)
     dens = w / s.clamp_min(1e-300)
-    i = torch.arange(k, dtype=torch.float64)
-    grids = torch.cat([(i + 0.5) / k, i / max(k - 1, 1), (i + 0.25) / (k - 0.5)])       # (3k,)
+    grids = _seed_grids(k)                                             # (3k,)
     idx = []
     for e in DENSITY_EXPONENTS:
         cm = torch.cumsum(torch.where(j > last, 0.0, dens.pow(e) * s), 1)
@@ -224,6 +225,12 @@ def _density_seeds(x: torch.Tensor, w: torch.Tensor, n: torch.Tensor, k: int) ->
     idx = torch.minimum(idx, n[:, None, None] - k + ii)                # ... and inside each row
     S = idx.shape[1]
     return x.gather(1, idx.reshape(R, S * k)).reshape(R, S, k)
+
+
+def _seed_grids(k: int) -> torch.Tensor:
+    """The three quantile grids a density seeding places k centers at, concatenated (3k,)."""
+    i = torch.arange(k, dtype=torch.float64)
+    return torch.cat([(i + 0.5) / k, i / max(k - 1, 1), (i + 0.25) / (k - 0.5)])
 
 
 def _lloyd_rows(x: torch.Tensor, w: torch.Tensor, n: torch.Tensor, c: torch.Tensor, max_iter: int,
@@ -258,18 +265,21 @@ def _lloyd_rows(x: torch.Tensor, w: torch.Tensor, n: torch.Tensor, c: torch.Tens
     return c, torch.cumsum(swxx - 2.0 * c * swx + c * c * sw, 2)[..., -1]  # summed in order, as the kernel
 
 
-def _lloyd_rows_numba(x, w, n, c, max_iter, tol):
-    """``_lloyd_rows`` as one numba call (same operations in the same order: identical bits)."""
-    z = x.new_zeros(x.shape[0], 1)
-    cw = torch.cat([z, torch.cumsum(w, 1)], 1)
-    cwx = torch.cat([z, torch.cumsum(w * x, 1)], 1)
-    cwxx = torch.cat([z, torch.cumsum(w * x * x, 1)], 1)
-    tol_abs = tol * (x.gather(1, (n - 1)[:, None])[:, 0] - x[:, 0])
-    c = c.contiguous().clone()
-    cost = torch.empty(c.shape[:2], dtype=torch.float64)
-    _lloyd_kernel(x.numpy(), n.numpy(), cw.numpy(), cwx.numpy(), cwxx.numpy(), tol_abs.numpy(), int(max_iter),
-                  c.numpy(), cost.numpy())
-    return c, cost
+def _kmeans_rows_numba(rows, cnts, n, pad: float, k: int, sigma: float, max_iter: int, tol: float) -> torch.Tensor:
+    """kmeans_rows' (R, k) centers by two numba calls around the seeding's powers, which stay
+    torch's (its pow's last bits are its own): ``_weights_rows``, ``_density_seeds``, ``_lloyd_rows``
+    and the best seeding, with the same operations in the same order (identical bits), where the
+    torch reference runs ~40 small ops a batch (issue 15)."""
+    R, B = len(rows), int(n.max())
+    ptr = torch.cat([n.new_zeros(1), n.cumsum(0)])
+    x, w, s, dens = (torch.empty(R, B, dtype=torch.float64) for _ in range(4))
+    _density_inputs(torch.cat(rows).numpy(), torch.cat(cnts).numpy(), ptr.numpy(), pad, float(sigma), 1.0 - sigma,
+                    x.numpy(), w.numpy(), s.numpy(), dens.numpy())
+    powers = torch.stack([dens.pow(e) for e in DENSITY_EXPONENTS])
+    centers = torch.empty(R, k, dtype=torch.float64)
+    _density_lloyd(x.numpy(), w.numpy(), n.numpy(), s.numpy(), powers.numpy(), _seed_grids(k).numpy(),
+                   int(max_iter), float(tol), centers.numpy())
+    return centers
 
 
 def _kmeanspp(x: torch.Tensor, w: torch.Tensor, k: int, g: torch.Generator, n_trials: int) -> torch.Tensor:
@@ -407,5 +417,85 @@ if _numba is not None:
                     swxx = cwxx[r, b[j + 1]] - cwxx[r, b[j]]
                     acc += swxx - 2.0 * cc[j] * swx + cc[j] * cc[j] * sw
                 cost[r, s] = acc
+    @_numba.njit(cache=True, nogil=True)
+    def _density_inputs(xf, cf, ptr, pad, sigma, rest, x, w, s, dens):  # pragma: no cover - compiled
+        """Padded (R, B) points, ``_weights_rows``' weights, ``_density_seeds``' spacings and densities
+        of the rows xf/cf[ptr[r]:ptr[r + 1]] (each of n >= 2 points), summed in order as torch's cumsum."""
+        R, B = x.shape
+        for r in range(R):
+            a, nr = ptr[r], ptr[r + 1] - ptr[r]
+            for j in range(B):
+                x[r, j] = xf[a + j] if j < nr else pad
+            tc = tm = 0.0
+            for j in range(B):
+                tc += cf[a + j] if j < nr else 0.0
+                tm += abs(x[r, j]) if j < nr else 0.0
+            tc = max(tc, 1e-300)
+            tw = 0.0
+            for j in range(B):
+                freq = (cf[a + j] if j < nr else 0.0) / tc
+                mag = (abs(x[r, j]) if j < nr else 0.0) / tm if tm > 0 else 0.0
+                w[r, j] = sigma * freq + rest * mag
+                tw += w[r, j]
+            if not tw > 0:
+                for j in range(B):
+                    w[r, j] = (cf[a + j] if j < nr else 0.0) / tc
+            for j in range(1, B - 1):
+                s[r, j] = (x[r, j + 1] - x[r, j - 1]) * 0.5
+            s[r, 0], s[r, B - 1] = x[r, 1] - x[r, 0], 0.0
+            s[r, nr - 1] = x[r, nr - 1] - x[r, nr - 2]
+            for j in range(B):
+                dens[r, j] = w[r, j] / max(s[r, j], 1e-300)
+
+    @_numba.njit(cache=True, nogil=True)
+    def _density_lloyd(x, w, n, s, powers, grids, max_iter, tol, out):  # pragma: no cover - compiled
+        """``_density_seeds`` from the densities' powers (E, R, B), then ``_lloyd_kernel`` on every
+        seeding, and each row's seeding of least cost (the first on ties) into ``out`` (R, k)."""
+        R, B = x.shape
+        E, G, k = powers.shape[0], grids.shape[0], out.shape[1]
+        S = E * (G // k)
+        c = np.empty((R, S, k), dtype=np.float64)
+        cm = np.empty(B, dtype=np.float64)
+        idx = np.empty(G, dtype=np.int64)
+        for r in range(R):
+            last = n[r] - 1
+            for e in range(E):
+                acc = 0.0
+                for j in range(B):
+                    acc += 0.0 if j > last else powers[e, r, j] * s[r, j]
+                    cm[j] = acc
+                for g in range(G):  # searchsorted(left): the first j with cm[j] >= v
+                    v = grids[g] * cm[B - 1]
+                    lo, hi = 0, B
+                    while lo < hi:
+                        h = (lo + hi) >> 1
+                        if cm[h] < v:
+                            lo = h + 1
+                        else:
+                            hi = h
+                    idx[g] = lo
+                for q in range(G // k):  # strictly increasing, inside the row
+                    top = idx[q * k]
+                    for i in range(k):
+                        top = max(top, idx[q * k + i] - i)
+                        c[r, e * (G // k) + q, i] = x[r, min(top + i, n[r] - k + i)]
+        z = np.zeros((R, B + 1), dtype=np.float64)
+        cw, cwx, cwxx = z, z.copy(), z.copy()
+        tol_abs = np.empty(R, dtype=np.float64)
+        for r in range(R):
+            for j in range(B):
+                wx = w[r, j] * x[r, j]
+                cw[r, j + 1] = cw[r, j] + w[r, j]
+                cwx[r, j + 1] = cwx[r, j] + wx
+                cwxx[r, j + 1] = cwxx[r, j] + wx * x[r, j]
+            tol_abs[r] = tol * (x[r, n[r] - 1] - x[r, 0])
+        cost = np.empty((R, S), dtype=np.float64)
+        _lloyd_kernel(x, n, cw, cwx, cwxx, tol_abs, max_iter, c, cost)
+        for r in range(R):
+            best = 0
+            for q in range(1, S):
+                if cost[r, q] < cost[r, best]:
+                    best = q
+            out[r] = c[r, best]
 else:  # pragma: no cover
-    _lloyd_kernel = None
+    _lloyd_kernel = _density_inputs = _density_lloyd = None
