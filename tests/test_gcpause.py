@@ -1,4 +1,5 @@
-"""gcpause: the collector paused over saves and restores, restored after, its deferred work done inside."""
+"""gcpause: the collector paused over saves and restores, restored after, its deferred work done inside;
+and the reference cycles the collector would otherwise have to find (none that hold a state)."""
 from __future__ import annotations
 
 import gc
@@ -11,6 +12,8 @@ import torch
 from ckptzip.chain import CheckpointChain
 from ckptzip.errors import StepOrderError
 from ckptzip.gcpause import collector_paused
+from ckptzip.search.cube import ConfigCube, MonotoneOracle, guided_search
+from ckptzip.state import flatten_state, skeleton_refs, unflatten_state
 
 
 @pytest.fixture(autouse=True)
@@ -96,3 +99,30 @@ def test_concurrent_regions_share_one_pause_lifted_by_the_last():
             pass
         assert not gc.isenabled()
     assert gc.isenabled()
+
+
+def test_a_restored_state_is_freed_when_dropped_without_a_collection(tmp_path):
+    # unflatten_state's recursive walk was a closure over the restored tensors: a reference cycle that
+    # held the whole state (1.6 GB for GPT-2 124M with Adam) until the collector came by
+    chain = CheckpointChain(tmp_path / "c", "dynaquant")
+    chain.save(_state(1), 1)
+    chain.save(_state(2), 2)
+    gc.collect()
+    gc.disable()
+    restored = CheckpointChain(tmp_path / "c", "dynaquant").restore(1)
+    alive = weakref.ref(restored.state["model"]["l0.weight"])
+    del restored
+    assert alive() is None
+
+
+def test_flatten_unflatten_and_the_search_leave_no_reference_cycles():
+    state = _state(3)
+    gc.collect()
+    gc.disable()
+    flat = flatten_state(state)
+    unflatten_state(flat.skeleton, flat.tensors)
+    skeleton_refs(flat.skeleton)
+    del flat
+    cube = ConfigCube()
+    guided_search(cube.bottom, cube.top, MonotoneOracle(lambda p: sum(p) > 3))
+    assert gc.collect() == 0

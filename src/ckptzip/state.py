@@ -336,7 +336,10 @@ def flatten_state(state: dict, model: nn.Module | None = None,
             f"cannot store {type(obj).__name__} at {'/'.join(map(str, path)) or '<root>'} without pickle; "
             "convert it to tensors, numbers, strings, lists or dicts")
 
-    skeleton = walk(state, [])
+    try:
+        skeleton = walk(state, [])
+    finally:
+        del walk  # a recursive closure is a reference cycle: it would hold the records until a gc pass
     return FlatState(tensors, records, skeleton, {"param_link": link})
 
 
@@ -386,7 +389,10 @@ def unflatten_state(skeleton, tensors: dict[str, torch.Tensor]):
             return [walk(v) for v in obj]
         return obj
 
-    return walk(skeleton)
+    try:
+        return walk(skeleton)
+    finally:
+        del walk  # a recursive closure is a reference cycle: it would hold the tensors until a gc pass
 
 
 def skeleton_refs(skeleton) -> list[str]:
@@ -404,5 +410,8 @@ def skeleton_refs(skeleton) -> list[str]:
             for v in obj:
                 walk(v)
 
-    walk(skeleton)
+    try:
+        walk(skeleton)
+    finally:
+        del walk  # a recursive closure is a reference cycle
     return out

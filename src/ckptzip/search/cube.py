@@ -206,7 +206,10 @@ def guided_search(lo: Point, hi: Point, oracle: MonotoneOracle) -> list[Point]:
             sub_hi = tuple(hi[i] if m else p[i] - 1 for i, m in enumerate(mask))
             box(sub_lo, sub_hi)
 
-    box(tuple(lo), tuple(hi))
+    try:
+        box(tuple(lo), tuple(hi))
+    finally:
+        del box  # a recursive closure is a reference cycle: it would hold the oracle until a gc pass
     return list(dict.fromkeys(found))
 
 
