@@ -35,9 +35,10 @@ so centers start at quantiles of (w_i / s_i)^e * s_i (s_i: spacing of the sorted
 point i, w_i: its weight) for e = 1/3 and 1/2 (more to the sparse tails), each at three quantile
 grids ((i + .5)/k, i/(k - 1), (i + .25)/(k - .5)); all rows and their six seedings run one
 batched Lloyd (padded rows, converged rows frozen, so a row's result does not depend on its
-batch) and each row keeps its seeding of lowest weighted SSE: plain torch, and beside it two numba
-kernels around torch's pow doing the same (identical bits). On the tensors DynaQuant quantizes (>= 1024 values: every 2-D tensor and
-Adam moment of a trained byte-level GPT, and of the digits MLP) its SSE is 0.97-1.00x that of
+batch) and each row keeps its seeding of lowest weighted SSE: plain torch, and beside it two
+numba kernels around torch's pow doing the same (identical bits). On the tensors DynaQuant
+quantizes (>= 1024 values: every 2-D tensor and Adam moment of a trained byte-level GPT, and of
+the digits MLP) its SSE is 0.97-1.00x that of
 ``weighted_kmeans_1d`` on average, at most 1.06x, for k = 4..32 and sigma 0.2 / 1
 (tests/test_kmeans.py); it costs a few dozen torch ops per *batch* instead of thousands per tensor.
 """
@@ -417,6 +418,7 @@ if _numba is not None:
                     swxx = cwxx[r, b[j + 1]] - cwxx[r, b[j]]
                     acc += swxx - 2.0 * cc[j] * swx + cc[j] * cc[j] * sw
                 cost[r, s] = acc
+
     @_numba.njit(cache=True, nogil=True)
     def _density_inputs(xf, cf, ptr, pad, sigma, rest, x, w, s, dens):  # pragma: no cover - compiled
         """Padded (R, B) points, ``_weights_rows``' weights, ``_density_seeds``' spacings and densities

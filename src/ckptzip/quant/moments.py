@@ -421,9 +421,9 @@ def _split_m(codes: torch.Tensor, s: torch.Tensor, levels: torch.Tensor, ms: lis
 
 
 def _quantile(x: torch.Tensor, q: float) -> torch.Tensor:
-    """torch.quantile(x, q) (linear interpolation) of a CPU or CUDA tensor without NaN, from the
-    two order statistics it needs (``_quantiles``)."""
-    if x.device.type != "cpu" or not K.HAVE_NUMBA:
+    """torch.quantile(x, q) (linear interpolation) of a tensor without NaN, from the two order
+    statistics it needs (``_quantiles`` for fp32 on CPU)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not K.HAVE_NUMBA:
         return _quantile_reference(x, q)
     return _quantiles(np.ascontiguousarray(x.detach().numpy()), np.array([0, x.numel()]), q)[0]
 
