@@ -11,7 +11,7 @@ import torch
 
 from ckptzip.chain import CheckpointChain
 from ckptzip.errors import StepOrderError
-from ckptzip.gcpause import collector_paused, collector_resumed
+from ckptzip.gcpause import collector_paused
 from ckptzip.methods.base import EncodeContext
 from ckptzip.search.cube import ConfigCube, MonotoneOracle, guided_search
 from ckptzip.state import flatten_state, skeleton_refs, unflatten_state
@@ -79,26 +79,24 @@ def test_a_failed_save_and_a_caller_who_disabled_the_collector_keep_their_settin
     assert not gc.isenabled()
 
 
-def test_a_searched_save_runs_the_users_eval_fn_with_the_collector_on(tmp_path):
+def test_a_searched_saves_eval_fn_runs_in_the_pause_and_its_cycles_are_freed_by_its_end(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(48, 48), torch.nn.Tanh(), torch.nn.Linear(48, 4))
     x = torch.randn(64, 48)
-    seen = []
+    seen, cycles = [], []
 
     def eval_fn(m):
         seen.append(gc.isenabled())
+        a, b = _Node(), _Node()
+        a.other, b.other, a.data = b, a, torch.zeros(1000)
+        cycles.append(weakref.ref(a))
         with torch.no_grad():
             return float(m(x).square().mean())
 
     chain = CheckpointChain(tmp_path / "c", "dynaquant")
     chain.save({"model": model.state_dict()}, 1, model=model, ctx=EncodeContext(step=1, model=model, eval_fn=eval_fn))
-    assert seen and all(seen) and gc.isenabled()
-    gc.disable()  # the caller's choice holds inside too
-    with collector_paused(), collector_resumed():
-        assert not gc.isenabled()
-    gc.enable()
-    with collector_resumed():  # outside a pause: no change
-        assert gc.isenabled()
+    assert seen and not any(seen) and gc.isenabled()
+    assert all(c() is None for c in cycles)
 
 
 def test_concurrent_regions_share_one_pause_lifted_by_the_last():

@@ -10,14 +10,12 @@ cyclic garbage the save made is freed there, before it returns.
 
 Process-wide, as ``gc`` is: while a thread is inside a paused region no thread's cyclic garbage is
 collected (reference counting still frees everything acyclic). Concurrent and nested regions share
-one pause, lifted when the last ends; a collector the caller disabled stays disabled. User code a
-save runs (a config search's ``eval_fn``) runs with the collector resumed: its garbage is not
-ours to hold back, however long an evaluation takes::
+one pause, lifted when the last ends; a collector the caller disabled stays disabled.
 
-    with collector_paused():        # CheckpointChain.save / restore
-        ...
-        with collector_resumed():   # search/quality.py, around eval_fn
-            eval_fn(model)
+A config search's ``eval_fn`` runs inside the pause too, and its cyclic garbage (rare: a forward
+pass frees by reference counting) waits for the end of the save. Resuming the collector around it
+cost more: the save's live objects, young when the evaluation begins, were promoted and brought on
+full collections (a 256 ms one inside a searched save of the small chain, docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -49,19 +47,3 @@ def collector_paused():
         if resume:
             gc.collect(0)  # the young collection the region deferred, paid by the region
 
-
-@contextlib.contextmanager
-def collector_resumed():
-    """Inside a paused region, the collector as it was before the pause (on, unless the caller had
-    disabled it); elsewhere, no change."""
-    with _lock:
-        resume = _depth > 0 and _resume and not gc.isenabled()
-        if resume:
-            gc.enable()
-    try:
-        yield
-    finally:
-        if resume:
-            with _lock:
-                if _depth > 0:  # a region still open keeps its pause
-                    gc.disable()

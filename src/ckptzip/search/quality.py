@@ -64,7 +64,6 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, NonFiniteError
-from ..gcpause import collector_resumed
 from ..state import FlatState, unflatten_state
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
@@ -319,8 +318,7 @@ class QualityJudge:
         try:
             # off the main thread (async saves' search thread) the global RNG belongs to the training
             # loop: restoring it would rewind the loop's stream, so it is left alone (asyncsearch.py)
-            rng = preserved_rng() if threading.current_thread() is threading.main_thread() else nullcontext()
-            with rng, collector_resumed():  # the user's evaluation collects its own garbage (gcpause.py)
+            with preserved_rng() if threading.current_thread() is threading.main_thread() else nullcontext():
                 out = self.eval_fn(self._scratch)
         finally:
             for m, training in self._modes:
