@@ -466,16 +466,8 @@ if _numba is not None:
                 for j in range(B):
                     acc += 0.0 if j > last else powers[e, r, j] * s[r, j]
                     cm[j] = acc
-                for g in range(G):  # searchsorted(left): the first j with cm[j] >= v
-                    v = grids[g] * cm[B - 1]
-                    lo, hi = 0, B
-                    while lo < hi:
-                        h = (lo + hi) >> 1
-                        if cm[h] < v:
-                            lo = h + 1
-                        else:
-                            hi = h
-                    idx[g] = lo
+                for g in range(G):  # as torch.searchsorted (left): the first j with cm[j] >= v
+                    idx[g] = np.searchsorted(cm, grids[g] * cm[B - 1])
                 for q in range(G // k):  # strictly increasing, inside the row
                     top = idx[q * k]
                     for i in range(k):
