@@ -2,11 +2,11 @@
 
 A save allocates thousands of short-lived containers (records, manifest dicts, per-blob lists) that
 reference counting frees. With the collector on they still trigger several young-generation
-collections per save, and every few saves a full collection over every object the process holds (a
-training script holds hundreds of thousands: torch, transformers, its data): about 15 % of a small
-model's save (docs/BENCHMARKS.md, "The collector paused over a save"). So the collector is paused
-for the duration and the one deferred young collection runs at the end, inside the save: whatever
-cyclic garbage the save made is freed there, before it returns.
+collections per save, and now and then a full collection over every object the process holds (a
+training script holds hundreds of thousands: torch, transformers, its data): 4-15 % of a small
+model's save on two days measured (docs/BENCHMARKS.md, "The collector paused over a save"). So the
+collector is paused for the duration and the one deferred young collection runs at the end, inside
+the save: whatever cyclic garbage the save made is freed there, before it returns.
 
 Process-wide, as ``gc`` is: while a thread is inside a paused region no thread's cyclic garbage is
 collected (reference counting still frees everything acyclic). Concurrent and nested regions share
@@ -46,4 +46,3 @@ def collector_paused():
                 gc.enable()
         if resume:
             gc.collect(0)  # the young collection the region deferred, paid by the region
-
