@@ -219,7 +219,7 @@ def _histograms(snapshots, kind, sigma, min_numel=1):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_kmeans_rows_numba_equals_torch_and_rows_are_independent(digits_snapshots, kind):
-    from ckptzip.kmeans import kmeans_rows
+    from ckptzip.kmeans import kmeans_packed, kmeans_rows
 
     # with rows of two and three points, and one without counts (weights by magnitude, or none at sigma 1)
     rows = _histograms(digits_snapshots, kind, 0.2) + [
@@ -231,6 +231,11 @@ def test_kmeans_rows_numba_equals_torch_and_rows_are_independent(digits_snapshot
         assert all(torch.equal(a, b) for a, b in zip(fast, ref)), k
         alone = [kmeans_rows([c], [n], k, sigma=sigma)[0] for c, n in rows]
         assert all(torch.equal(a, b) for a, b in zip(fast, alone)), k
+        sizes = torch.tensor([c.numel() for c, _ in rows])
+        for backend in ("numba", "torch"):  # the packed rows (a save's histograms) as the rows apart
+            packed = kmeans_packed(torch.cat([c for c, _ in rows]), torch.cat([n for _, n in rows]), sizes, k,
+                                   sigma=sigma, backend=backend)
+            assert all(torch.equal(a, b) for a, b in zip(fast, packed)) and len(packed) == len(rows), k
         for (c, _), out in zip(rows, fast):
             assert out.numel() == min(k, c.numel()) and bool((out[1:] > out[:-1]).all())
 

@@ -53,9 +53,8 @@ def test_batch_kernel_writes_rans_encode_bytes():
         prev = [rng.integers(0, B, n).astype(dtype) for n in sizes]
         for c in cur[3:]:
             c[:2] = (0, B - 1)                                # the ends of the range
-        offsets = np.cumsum([0] + sizes)
         for delta in (np.zeros(len(sizes), bool), np.arange(len(sizes)) % 2 == 1):
-            got = R.rans_encode_codes(np.concatenate(cur), offsets, np.full(len(sizes), B), np.concatenate(prev), delta)
+            got = R.rans_encode_codes(cur, np.full(len(sizes), B), prev, delta)
             want = [R.rans_encode((p.astype(np.int64) - c) % B if d else c) for c, p, d in zip(cur, prev, delta)]
             # None only where rans_encode's general normalization takes over (~30k distinct deltas)
             assert all(g == w or (g is None and B == 70_000) for g, w in zip(got, want)), (dtype, delta)
@@ -73,15 +72,25 @@ def test_batch_kernel_writes_rans_encode_bytes():
                 c[0] = B - 1                                   # the widest span
             cur.append(np.minimum(c, B - 1).astype(np.int16))
         prev = [np.where(rng.random(n) < 0.9, c, rng.integers(0, B, n)).astype(np.int16) for c, n in zip(cur, sizes)]
-        offsets = np.cumsum([0] + sizes)
         delta = np.arange(len(sizes)) % 3 == 0
-        got = R.rans_encode_codes(np.concatenate(cur), offsets, np.full(len(sizes), B), np.concatenate(prev), delta)
         want = [R.rans_encode((p.astype(np.int64) - c) % B if d else c) for c, p, d in zip(cur, prev, delta)]
+        assert R.rans_encode_codes(cur, np.full(len(sizes), B), prev, delta) == want, B
+        # read in place: views at odd offsets into one buffer give the same bytes
+        at = np.cumsum([0] + sizes)
+        joined, joined_prev = np.concatenate([[0]] + cur).astype(np.int16), np.concatenate([[0]] + prev).astype(np.int16)
+        views = [joined[1 + a:1 + e] for a, e in zip(at, at[1:])]
+        prev_views = [joined_prev[1 + a:1 + e] for a, e in zip(at, at[1:])]
+        got = R.rans_encode_codes(views, np.full(len(sizes), B), prev_views, delta)
         assert got == want, B
         assert {R.rans_decode(g)[0] >= 0 for g in got} == {True}
     bad = np.array([0, 1, 7, 1, 0, 1 << 30], dtype=np.int64)  # [7] outside B = 4; then a sparse alphabet
-    got = R.rans_encode_codes(bad, np.array([0, 2, 4, 6]), np.array([4, 4, 1 << 31]))
+    got = R.rans_encode_codes([bad[:2], bad[2:4], bad[4:6]], np.array([4, 4, 1 << 31]))
     assert got == [R.rans_encode(bad[:2]), None, None]
+    # an array the kernel cannot read in place is refused, not misread
+    with pytest.raises(ValueError, match="C-contiguous 1-D int64"):
+        R.rans_encode_codes([bad[:2], bad[::2]], np.array([4, 4]))
+    with pytest.raises(ValueError, match="C-contiguous 1-D int64"):
+        R.rans_encode_codes([bad[:2], bad[2:4].astype(np.int32)], np.array([4, 4]))
 
 
 def test_large_stream_and_torch_input():

@@ -58,7 +58,7 @@ except ImportError:  # pragma: no cover
     _numba = None
 
 __all__ = ["approx_kmeans", "approx_kmeans_from_sketch", "assign", "weighted_kmeans_1d", "bucket_weights",
-           "kmeans_rows", "INITS"]
+           "kmeans_rows", "kmeans_packed", "INITS"]
 
 INITS = ("density", "kmeans++")  # kmeans_rows' deterministic seeding; weighted_kmeans_1d's sampled one
 
@@ -159,21 +159,40 @@ def kmeans_rows(points, counts, k: int, *, sigma: float = 1.0, max_iter: int = 1
     (sums run in order over padded rows). ``backend``: "auto" (the numba kernels when installed),
     "numba" or "torch" (the reference; both give identical bits).
     """
+    xs = [torch.as_tensor(x).reshape(-1).to("cpu", torch.float64) for x in points]
+    cs = [torch.as_tensor(c).reshape(-1).to("cpu", torch.float64) for c in counts]
+    sizes = torch.tensor([x.numel() for x in xs], dtype=torch.int64)
+    packed = (torch.cat(xs), torch.cat(cs)) if xs else (torch.zeros(0), torch.zeros(0))
+    return kmeans_packed(*packed, sizes, k, sigma=sigma, max_iter=max_iter, tol=tol, backend=backend)
+
+
+def kmeans_packed(points: torch.Tensor, counts: torch.Tensor, sizes: torch.Tensor, k: int, *, sigma: float = 1.0,
+                  max_iter: int = 100, tol: float = 1e-7, backend: str = "auto") -> list[torch.Tensor]:
+    """``kmeans_rows`` of the rows packed one after the other: row r is ``points[a:a + sizes[r]]``
+    (and its counts) where a is the sum of the sizes before it. The same results, without a
+    caller's rows split apart and joined again (a save's histograms come packed)."""
     _check_args(k, sigma, max_iter, tol)
     if backend not in ("auto", "numba", "torch"):
         raise ConfigError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
-    xs = [torch.as_tensor(x).reshape(-1).to("cpu", torch.float64) for x in points]
-    out: list[torch.Tensor | None] = [x if x.numel() <= k else None for x in xs]
+    points = points.reshape(-1).to("cpu", torch.float64)
+    counts = counts.reshape(-1).to("cpu", torch.float64)
+    sizes = sizes.reshape(-1).to("cpu", torch.int64)
+    at = [0] + torch.cumsum(sizes, 0).tolist()
+    todo_mask = sizes > k
+    out: list[torch.Tensor | None] = [None if big else points[a:e]
+                                      for big, a, e in zip(todo_mask.tolist(), at, at[1:])]
     todo = [r for r, o in enumerate(out) if o is None]
     if not todo:
         return out
-    rows = [xs[r] for r in todo]
-    cnts = [torch.as_tensor(counts[r]).reshape(-1).to("cpu", torch.float64) for r in todo]
-    n = torch.tensor([x.numel() for x in rows], dtype=torch.int64)
+    n = sizes[todo_mask]
+    if len(todo) < sizes.numel():  # the rows k-means runs on, still packed
+        keep = torch.repeat_interleave(todo_mask, sizes)
+        points, counts = points[keep], counts[keep]
     # pad with the batch's largest point at zero count: every sum, and every searchsorted of a
     # row's midpoints (all below its own last point), is what the row alone gives
-    pad = float(max(float(x[-1]) for x in rows))
+    pad = float(points[torch.cumsum(n, 0) - 1].max())
     if backend == "torch" or _numba is None:
+        rows, cnts = torch.split(points, n.tolist()), torch.split(counts, n.tolist())
         x = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)      # (R, B)
         cnt = torch.nn.utils.rnn.pad_sequence(cnts, batch_first=True)                  # (R, B)
         w = _weights_rows(x, cnt, n, sigma)
@@ -181,7 +200,7 @@ def kmeans_rows(points, counts, k: int, *, sigma: float = 1.0, max_iter: int = 1
         best = cost.argmin(1)                                                          # first seeding wins ties
         pick = c[torch.arange(len(todo)), best]
     else:
-        pick = _kmeans_rows_numba(rows, cnts, n, pad, k, sigma, max_iter, tol)
+        pick = _kmeans_rows_numba(points, counts, n, pad, k, sigma, max_iter, tol)
     for i, r in enumerate(todo):
         out[r] = pick[i]
     return out
@@ -266,15 +285,17 @@ def _lloyd_rows(x: torch.Tensor, w: torch.Tensor, n: torch.Tensor, c: torch.Tens
     return c, torch.cumsum(swxx - 2.0 * c * swx + c * c * sw, 2)[..., -1]  # summed in order, as the kernel
 
 
-def _kmeans_rows_numba(rows, cnts, n, pad: float, k: int, sigma: float, max_iter: int, tol: float) -> torch.Tensor:
+def _kmeans_rows_numba(points, counts, n, pad: float, k: int, sigma: float, max_iter: int, tol: float
+                       ) -> torch.Tensor:
     """kmeans_rows' (R, k) centers by two numba calls around the seeding's powers, which stay
     torch's (its pow's last bits are its own): ``_weights_rows``, ``_density_seeds``, ``_lloyd_rows``
     and the best seeding, with the same operations in the same order (identical bits), where the
     torch reference runs ~40 small ops a batch (issue 15)."""
-    R, B = len(rows), int(n.max())
+    R, B = n.numel(), int(n.max())
     ptr = torch.cat([n.new_zeros(1), n.cumsum(0)])
     x, w, s, dens = (torch.empty(R, B, dtype=torch.float64) for _ in range(4))
-    _density_inputs(torch.cat(rows).numpy(), torch.cat(cnts).numpy(), ptr.numpy(), pad, float(sigma), 1.0 - sigma,
+    _density_inputs(points.contiguous().numpy(), counts.contiguous().numpy(), ptr.numpy(), pad, float(sigma),
+                    1.0 - sigma,
                     x.numpy(), w.numpy(), s.numpy(), dens.numpy())
     powers = torch.stack([dens.pow(e) for e in DENSITY_EXPONENTS])
     centers = torch.empty(R, k, dtype=torch.float64)

@@ -217,7 +217,7 @@ def _entries(state_sk) -> list[tuple[object, object]]:
 
 def _number(x) -> float | None:
     if isinstance(x, torch.Tensor):
-        return float(x.reshape(-1)[0]) if x.numel() == 1 else None
+        return float(x.item()) if x.numel() == 1 else None
     return float(x) if isinstance(x, int | float) and not isinstance(x, bool) else None
 
 

@@ -172,8 +172,8 @@ def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, in
     """``[encode_codes(prev, cur, n_levels, **options) for prev, cur, n_levels, options in jobs]``, the
     same bytes; the order-0 rANS streams among them (coder ``"rans"`` without RLE or a rearranged
     delta: what ``coder="auto"`` picks for most tensors) coded a batch of up to BATCH_CODES codes of
-    one code dtype per kernel call (``rans.rans_encode_codes``) instead of one Python pipeline per
-    tensor; a larger tensor is a batch of its own (its codes are not copied)."""
+    one code dtype per kernel call (``rans.rans_encode_codes``, which reads them in place) instead
+    of one Python pipeline per tensor; a larger tensor is a batch of its own."""
     from . import rans
 
     out: list[bytes | None] = [None] * len(jobs)
@@ -189,12 +189,10 @@ def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, in
             batches[-1].append(i)
             filled[kind] = filled.get(kind, 0) + cur.numel()
     for (_, prev_dtype), members in ((k, m) for k, batches in kinds.items() for m in batches):
-        curs = [jobs[i][1].reshape(-1).cpu().numpy() for i in members]
-        prevs = [] if prev_dtype is None else [jobs[i][0].reshape(-1).cpu().numpy() for i in members]
-        offsets = np.zeros(len(members) + 1, dtype=np.int64)
-        np.cumsum([c.size for c in curs], out=offsets[1:])
-        streams = rans.rans_encode_codes(_joined(curs), offsets, [jobs[i][2] for i in members],
-                                         _joined(prevs) if prevs else None, np.full(len(members), bool(prevs)))
+        curs = [_flat(jobs[i][1]) for i in members]
+        prevs = [] if prev_dtype is None else [_flat(jobs[i][0]) for i in members]
+        streams = rans.rans_encode_codes(curs, [jobs[i][2] for i in members], prevs,
+                                         np.full(len(members), bool(prevs)))
         for i, c, stream in zip(members, curs, streams):
             if stream is not None:  # else: encode_codes below says what is wrong, or takes the general path
                 flags = (_F_DELTA if prevs else 0) | _CODER_IDS["rans"] << 4
@@ -203,11 +201,12 @@ def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, in
             for b, (prev, cur, n_levels, options) in zip(out, jobs)]
 
 
-BATCH_CODES = 1 << 22  # codes per batch of encode_codes_many: its copies and scratch stay small
+BATCH_CODES = 1 << 22  # codes per batch of encode_codes_many: its scratch (a rank per code) stays small
 
 
-def _joined(arrays: list[np.ndarray]) -> np.ndarray:
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+def _flat(t: torch.Tensor) -> np.ndarray:
+    """A tensor's values as a C-contiguous 1-D array (a view where it is one already)."""
+    return np.ascontiguousarray(t.detach().reshape(-1).cpu().numpy())
 
 
 def _batchable(prev, cur, n_levels, options) -> bool:

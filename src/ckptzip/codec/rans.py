@@ -47,6 +47,7 @@ import numpy as np
 from ..errors import CorruptCheckpointError
 from .streamframe import (alphabet_header, as_symbols, open_alphabet_stream, pack_varints, seal, single_value_stream,
                           symbol_counts, write_varint)
+from ..inplace import addresses, segment
 from .huffman import HAVE_NUMBA, _pick
 from .scratch import scratch
 
@@ -111,23 +112,25 @@ def rans_encode(symbols, *, lanes: int | None = None, backend: str = "auto") -> 
     return seal(out)
 
 
-def rans_encode_codes(cur: np.ndarray, offsets: np.ndarray, n_levels: np.ndarray, prev: np.ndarray | None = None,
-                      delta: np.ndarray | None = None) -> list[bytes | None]:
-    """Many code streams in one kernel call (numba only): for each segment s, the bytes
-    ``rans_encode`` writes for ``cur[offsets[s]:offsets[s + 1]]``, or for the cyclic delta
-    ``(prev - cur) mod n_levels[s]`` of the segment where ``delta[s]`` (codec/delta.py). None for a
-    segment the batch leaves to ``rans_encode``: a code outside [0, n_levels[s]), a sparse
-    alphabet, counts the fast rounding cannot normalize. Per-segment Python work of the
-    one-at-a-time path (~75 us a stream) is what this saves a save of hundreds of tensors."""
+def rans_encode_codes(curs: list[np.ndarray], n_levels, prevs: list[np.ndarray] | None = None,
+                      delta=None) -> list[bytes | None]:
+    """Many code streams in one kernel call (numba only): for each array s of ``curs``
+    (C-contiguous 1-D, one integer dtype), the bytes ``rans_encode`` writes for it, or for the
+    cyclic delta ``(prevs[s] - curs[s]) mod n_levels[s]`` where ``delta[s]`` (codec/delta.py; the
+    prevs of one dtype). The kernel reads the arrays in place (inplace.py). None for an array the
+    batch leaves to ``rans_encode``: a code outside [0, n_levels[s]), a sparse alphabet, counts the
+    fast rounding cannot normalize. Per-stream Python work of the one-at-a-time path (~75 us a
+    stream) is what this saves a save of hundreds of tensors."""
     if not HAVE_NUMBA:
         raise RuntimeError("rans_encode_codes needs numba; call rans_encode per stream")
-    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
-    n_seg = offsets.size - 1
+    n_seg = len(curs)
+    cur_at, offsets = addresses(curs, curs[0].dtype if n_seg else np.uint8)
     levels = np.ascontiguousarray(n_levels, dtype=np.int64)
     delta = np.zeros(n_seg, dtype=np.bool_) if delta is None else np.ascontiguousarray(delta, dtype=np.bool_)
-    prev = cur[:0] if prev is None else prev
-    if delta.any() and prev.size != cur.size:
-        raise ValueError(f"prev has {prev.size} codes, cur {cur.size}")
+    prevs = prevs if delta.any() else []
+    if prevs and [p.size for p in prevs] != [c.size for c in curs]:
+        raise ValueError(f"prevs hold {[p.size for p in prevs]} codes, curs {[c.size for c in curs]}")
+    prev_at, _ = addresses(prevs, prevs[0].dtype) if prevs else (cur_at, None)
     sizes = np.diff(offsets)
     distinct = int(np.minimum(sizes, levels).sum())
     vals, freqs = np.empty(distinct, dtype=np.int64), np.empty(distinct, dtype=np.int64)
@@ -137,8 +140,10 @@ def rans_encode_codes(cur: np.ndarray, offsets: np.ndarray, n_levels: np.ndarray
     # the symbols, then their ranks, in the narrowest type that holds every level
     top = int(levels.max()) - 1 if n_seg else 0
     dtype = next(t for t in (np.uint8, np.uint16, np.uint32, np.int64) if top <= np.iinfo(t).max)
-    ranks = scratch(f"rans.ranks.{np.dtype(dtype).name}", cur.size, dtype, keep=_SCRATCH_KEEP)
-    _alphabets_kernel(cur, prev, offsets, delta, levels, ranks, vals, freqs, vo, ks, Ps, lanes, caps, rows, status)
+    ranks = scratch(f"rans.ranks.{np.dtype(dtype).name}", int(offsets[-1]), dtype, keep=_SCRATCH_KEEP)
+    like_cur = curs[0][:0] if n_seg else np.empty(0, np.uint8)
+    _alphabets_kernel(cur_at, like_cur, prev_at, prevs[0][:0] if prevs else like_cur, offsets, delta, levels,
+                      ranks, vals, freqs, vo, ks, Ps, lanes, caps, rows, status)
     # each stream's words within rans_encode's bound; the bytes: header, tables, words
     ends = np.cumsum(caps)
     words = scratch("rans.words", int(ends[-1] if n_seg else 0), np.uint32, keep=_SCRATCH_KEEP)
@@ -567,20 +572,21 @@ if HAVE_NUMBA:
         return pos == nw and x0 == _UL and x1 == _UL and x2 == _UL and x3 == _UL
 
     @_numba.njit(cache=True, nogil=True)
-    def _alphabets_kernel(cur, prev, offsets, delta, levels, ranks, vals, freqs, vo, ks, Ps, lanes, caps, rows,
-                          status):  # pragma: no cover - compiled
+    def _alphabets_kernel(cur_at, like_cur, prev_at, like_prev, offsets, delta, levels, ranks, vals, freqs, vo, ks,
+                          Ps, lanes, caps, rows, status):  # pragma: no cover - compiled
         """rans_encode_codes's first pass: each segment's symbols (ranks[a:e]: values less the
         smallest where rows[s] > 0, the span; else ranks in its alphabet), the alphabet
         (vals[vo[s]:vo[s+1]]), its frequencies, P, lanes and the words its stream may push
-        (rans_encode's bound); status[s] = 1: left to rans_encode."""
+        (rans_encode's bound); status[s] = 1: left to rans_encode. Segment s's codes (and its
+        prev's) are read in place at cur_at[s] (prev_at[s])."""
         for s in range(offsets.size - 1):
             vo[s + 1] = vo[s]
             a, n, B = offsets[s], offsets[s + 1] - offsets[s], levels[s]
-            c, r = cur[a:a + n], ranks[a:a + n]
+            c, r = segment(cur_at[s], n, like_cur), ranks[a:a + n]
             lo, hi = _minmax_kernel(c) if n else (0, 0)
             ok = 0 <= lo and hi < B  # encode_codes's range check
             if delta[s] and ok and n:
-                p = prev[a:a + n]
+                p = segment(prev_at[s], n, like_prev)
                 lo, hi = _minmax_kernel(p)
                 ok = 0 <= lo and hi < B
                 for i in range(n):  # D = (prev - cur) mod B; widened first: numba's uint8 - uint8 wraps

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ..kmeans import bucket_weights, kmeans_rows, weighted_kmeans_1d
+from ..kmeans import bucket_weights, kmeans_packed, weighted_kmeans_1d
 from ..sketch import LogSketch
 
 __all__ = ["DOMAINS", "to_domain", "from_domain", "histogram_centers", "level_bounds"]
@@ -55,10 +55,10 @@ def histogram_centers(ords: torch.Tensor, counts: torch.Tensor, row_ptr: torch.T
         row = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)
         sizes = torch.zeros_like(sizes).index_add_(0, row, keep.long())
         pts, counts = pts[keep], counts[keep]
-    rows_p, rows_c = torch.split(pts, sizes.tolist()), torch.split(counts, sizes.tolist())
     if cfg.kmeans == "density":
-        out = kmeans_rows(rows_p, rows_c, k, sigma=cfg.sigma)
+        out = kmeans_packed(pts, counts, sizes, k, sigma=cfg.sigma)
     else:  # Algorithm 3 (sampled seeding), one row at a time
+        rows_p, rows_c = torch.split(pts, sizes.tolist()), torch.split(counts, sizes.tolist())
         out = [p if p.numel() <= k else weighted_kmeans_1d(p, bucket_weights(p, c, cfg.sigma), k, seed=cfg.seed)
                for p, c in zip(rows_p, rows_c)]
     return [c.to(torch.float32) for c in out]
