@@ -256,7 +256,7 @@ class CheckpointChain:
             "method_meta": enc.meta, "skeleton": flat.skeleton if enc.skeleton is None else enc.skeleton,
             "extra": flat.extra,
             "records": records,
-            "raw_bytes": sum(t.numel() * t.element_size() for t in flat.tensors.values()),
+            "raw_bytes": sum(r.nbytes for r in flat.records.values()),
         }
 
     def _keyframe_due(self, entries: list[Entry], ref: Reference | None) -> bool:
@@ -481,12 +481,11 @@ def _bytes_by_role(flat: FlatState, enc: Encoded) -> dict:
     blobs, out, words, members = enc.blobs, {}, {}, {}
     for name, rec in flat.records.items():
         r = enc.records[name]
-        t = flat.tensors[name]
         role = rec.role if rec.role in _ROLES else "other"
         acc = out.get(role)
         if acc is None:
             acc = out[role] = [0, 0.0]
-        acc[0] += t.numel() * t.element_size()
+        acc[0] += rec.nbytes
         for k in r["blobs"].values():
             acc[1] += len(blobs[k])
         g = r["meta"].get("group") if r["meta"] else None

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .errors import CorruptCheckpointError, UnsupportedStateError
-from .tensorbytes import FLOAT_DTYPES, dtype_name
+from .tensorbytes import FLOAT_DTYPES, ITEMSIZE, dtype_name
 
 # Optimizer-state entries that are moments of a parameter (lossy codecs may compress these).
 MOMENT_ROLES = frozenset({"exp_avg", "exp_avg_sq", "momentum_buffer", "max_exp_avg_sq", "square_avg",
@@ -47,6 +47,11 @@ class TensorRecord:
     @property
     def is_float(self) -> bool:
         return self.dtype in FLOAT_DTYPES
+
+    @property
+    def nbytes(self) -> int:
+        """The tensor's raw bytes (what a save's ratio is taken against)."""
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
     def to_dict(self) -> dict:
         return {"role": self.role, "dtype": self.dtype, "shape": list(self.shape),

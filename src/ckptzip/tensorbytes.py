@@ -29,6 +29,7 @@ FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 
 _NAMES = {t: name for name, (t, _) in DTYPES.items()}
+ITEMSIZE = {name: np_dtype.itemsize for name, (_, np_dtype) in DTYPES.items()}  # bytes an element, by dtype name
 
 
 def dtype_name(dtype: torch.dtype) -> str:

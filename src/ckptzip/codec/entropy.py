@@ -205,7 +205,10 @@ BATCH_CODES = 1 << 22  # codes per batch of encode_codes_many: its scratch (a ra
 
 
 def _flat(t: torch.Tensor) -> np.ndarray:
-    """A tensor's values as a C-contiguous 1-D array (a view where it is one already)."""
+    """A tensor's values as a C-contiguous 1-D array (a view where it is one already: the usual
+    case, a record's codes, costs one call)."""
+    if t.dim() == 1 and t.is_cpu and t.is_contiguous():
+        return t.numpy()  # integer codes: never requires_grad
     return np.ascontiguousarray(t.detach().reshape(-1).cpu().numpy())
 
 

@@ -18,7 +18,7 @@ from ..codec.entropy import decode_codes, encode_codes_many
 from ..codec.rans import HAVE_NUMBA
 from ..errors import CorruptCheckpointError
 from ..quant.base import QuantizedTensor, compact
-from ..tensorbytes import dtype_name, tensor_from_bytes, tensor_to_bytes
+from ..tensorbytes import dtype_name, host, tensor_from_bytes, tensor_to_bytes
 from .base import Encoded
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class RecordBatch:
         stages = ([S.CYCLIC_DELTA] + ([S.REARRANGE] if rearrange else []) if prev is not None else []) + \
             ([S.RLE] if rle else []) + [S.CODER_STAGES[coder]]
         pipeline = [method] + S.pipeline(*([S.RESIDUAL] if residual else []), *stages)
-        side = {k: v.detach().cpu().contiguous() for k, v in q.side.items()}
+        side = {k: host(v) for k, v in q.side.items()}
         rec_meta = {"n_levels": q.n_levels, "delta": prev is not None,
                     "side": {k: [dtype_name(v.dtype), list(v.shape)] for k, v in side.items()}, **(meta or {})}
         parts = {}
