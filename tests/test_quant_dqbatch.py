@@ -44,7 +44,7 @@ def _same(a, b):
 
 CONFIGS = [dict(), dict(prune_metric="sensitivity", prune_fraction=0.3, protect_fraction=0.02),
            dict(center_scope="layer_type", bins=8), dict(kmeans="kmeans++", bins=4), dict(max_prune_ratio=None),
-           dict(bins=33, prune_fraction=0.0)]
+           dict(bins=33, prune_fraction=0.0), dict(domain="sqrt")]
 
 
 @pytest.mark.parametrize("overrides", CONFIGS)

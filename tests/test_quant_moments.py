@@ -197,7 +197,7 @@ def test_dequantize_m_is_the_repeated_scale_product(adam_pair, n, group):
 
 @pytest.mark.parametrize("codec", [M.GridCodec(), M.GridCodec(factored=True, m_bits=3, prune=0.0, group=100),
                                    M.GridCodec(normalize="decoded", m_bits=2, prune=0.5, group=64),
-                                   M.GridCodec(m_bits=0)])
+                                   M.GridCodec(m_bits=0), M.GridCodec(factored=False)])
 def test_batched_pairs_equal_one_by_one(codec):
     """encode_pairs_levels (one pass over every parameter's moments) gives each pair the codes,
     scales and levels it gets alone: sizes that do not fill a group, zeros, bf16, per-pair hparams."""
@@ -257,7 +257,10 @@ def test_factored_tail_kernel_equals_the_torch_reference(monkeypatch, v_step):
 
 
 @pytest.mark.parametrize("codec", [M.GridCodec(), M.GridCodec(prune=0.0, group=100), M.GridCodec(v_step=0.5),
-                                   M.GridCodec(v_step=0.3, normalize="decoded", group=64)])
+                                   M.GridCodec(v_step=0.3, normalize="decoded", group=64),
+                                   # a delta save's: plain records, narrowed once a batch (codes < 256),
+                                   # or one at a time (codes in the thousands)
+                                   M.GridCodec(factored=False), M.GridCodec(factored=False, v_step=0.004)])
 @pytest.mark.parametrize("overflow", [False, True])
 def test_numba_kernels_equal_the_torch_reference(codec, overflow, monkeypatch):
     """quant/momentkernels.py (D and the grid codes in one pass, the prune cut's sample, the 1-bit
@@ -287,6 +290,7 @@ def test_numba_kernels_equal_the_torch_reference(codec, overflow, monkeypatch):
     monkeypatch.setattr(M, "_use_kernels", lambda x: False)
     for (qm, qv, c), (rm, rv, rc) in zip(fast, M.encode_pairs_levels(pairs, codec)):
         assert torch.equal(c, rc) and torch.equal(qv.codes, rv.codes) and qv.n_levels == rv.n_levels
+        assert qv.codes.dtype == rv.codes.dtype and qv.meta == rv.meta and qv.shape == rv.shape
         bits = lambda q: q.side["scale"].view(torch.int16)  # noqa: E731 (inf scales where D / eps is inf)
         assert torch.equal(qm.codes, rm.codes) and torch.equal(bits(qm), bits(rm))
     # the moment that is not finite is named, by either path
