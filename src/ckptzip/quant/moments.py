@@ -292,11 +292,18 @@ def _map_f64(x: torch.Tensor, fn, dtype: torch.dtype) -> torch.Tensor:
 # m: the normalized direction at 1-3 bits
 
 def levels_table(bits: int, prune: float) -> torch.Tensor:
-    """Sorted reconstruction levels in units of the group scale (with 0 when pruning)."""
+    """Sorted reconstruction levels in units of the group scale (with 0 when pruning). One tensor
+    per table, shared by every record that uses it (the codebook of a save's m records): never
+    modify it."""
     if bits not in _LEVELS:
         raise ConfigError(f"moment bits must be one of {sorted(_LEVELS)}, got {bits}")
+    return _levels_table(bits, prune > 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _levels_table(bits: int, pruned: bool) -> torch.Tensor:
     half = torch.tensor(_LEVELS[bits], dtype=torch.float32)
-    mid = torch.zeros(1) if prune > 0 else torch.empty(0)
+    mid = torch.zeros(1) if pruned else torch.empty(0)
     return torch.cat([-half.flip(0), mid, half])
 
 
