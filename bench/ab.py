@@ -1,0 +1,155 @@
+"""Two builds' saves side by side, paired repetition by repetition (issue 15).
+
+On the shared 2-core machine the load moves from one minute to the next, and zstd-3 itself has
+taken 9.5-16 ms a small-chain checkpoint within an hour, so separate runs of bench/speed.py mix
+two builds' difference with the load's. Here two long-lived worker processes, one per build,
+take turns: each repetition saves the small chain (``speed.small_states``: the same states for
+both, built once) in one worker and then in the other, the order alternating, and each worker
+times zstd-3 over the same bytes right after its chain. A repetition's two saves are seconds
+apart, so a paired difference sees the same load. Per build: mean and median save time a
+checkpoint, x zstd-3, the sum of each checkpoint's minimum over repetitions (the least disturbed
+figure), and the paired difference (mean +- standard error). Time is thread CPU time with
+``torch.set_num_threads(1)``, as in speed.py.
+
+The other build is checked out with ``git worktree add --detach`` into a temporary folder and
+removed after; each worker imports its own build's ``src``. The first repetition's files are
+compared: the script says whether both builds wrote the same bytes.
+
+Run:  .venv/bin/python bench/ab.py 9d5692e                     (dynaquant, 40 repetitions)
+      .venv/bin/python bench/ab.py HEAD~3 --method lossless --reps 30
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def worker(src: str, states_path: str, method: str) -> None:
+    """One build: a line "go <rep>" on stdin -> one JSON line (save seconds per checkpoint, zstd-3's,
+    the files' SHA-256) on stdout."""
+    sys.path.insert(0, src)
+    sys.path.insert(1, HERE)
+    torch.set_num_threads(1)
+    import fsspec
+    import zstandard
+
+    import speed
+    from ckptzip.chain import CheckpointChain
+
+    states = torch.load(states_path, weights_only=False)
+    raws = [speed.raw_bytes(s) for s in states]
+    cz, fs = zstandard.ZstdCompressor(level=speed.ZSTD_LEVEL), fsspec.filesystem("memory")
+    print("ready", flush=True)
+    for line in sys.stdin:
+        rep = int(line.split()[1])
+        url = f"memory://ab-{os.getpid()}-{rep}"
+        ch = CheckpointChain(url, method)
+        save = []
+        for i, s in enumerate(states):
+            t = time.thread_time()
+            ch.save(s, i + 1)
+            save.append(time.thread_time() - t)
+        files = [hashlib.sha256(fs.cat(f"{url[len('memory://'):]}/{e.file}")).hexdigest() for e in ch.entries()]
+        fs.rm(url[len("memory://"):], recursive=True)
+        zstd = []
+        for r in raws:
+            t = time.thread_time()
+            cz.compress(r)
+            zstd.append(time.thread_time() - t)
+        print(json.dumps({"save": save, "zstd": zstd, "files": files}), flush=True)
+
+
+def start(src: str, states_path: str, method: str) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, __file__, "--worker", src, states_path, method], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    if p.stdout.readline().strip() != "ready":
+        raise SystemExit(f"the worker for {src} did not start")
+    return p
+
+
+def ask(p: subprocess.Popen, rep: int) -> dict:
+    p.stdin.write(f"go {rep}\n")
+    p.stdin.flush()
+    line = p.stdout.readline()
+    if not line:
+        raise SystemExit("a worker exited early (its error is above)")
+    return json.loads(line)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        return worker(*sys.argv[2:5])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("rev", help="the other build: a commit of this repository")
+    ap.add_argument("--method", default="dynaquant")
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--small-n", type=int, default=6)
+    ap.add_argument("--small-every", type=int, default=8)
+    args = ap.parse_args()
+    sys.path.insert(0, HERE)
+    import speed
+
+    with tempfile.TemporaryDirectory(prefix="ckptzip-ab-") as tmp:
+        other = os.path.join(tmp, "other")
+        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", other, args.rev], check=True,
+                       capture_output=True)
+        try:
+            states_path = os.path.join(tmp, "states.pt")
+            torch.save(speed.small_states(args.small_n, args.small_every), states_path)
+            builds = {args.rev: start(os.path.join(other, "src"), states_path, args.method),
+                      "this": start(os.path.join(ROOT, "src"), states_path, args.method)}
+            runs: dict[str, list[dict]] = {b: [] for b in builds}
+            files = {}
+            for rep in range(args.reps + 1):  # repetition 0 warms both up (numba's cache, first touches)
+                for b in (list(builds) if rep % 2 else list(builds)[::-1]):
+                    r = ask(builds[b], rep)
+                    if rep:
+                        runs[b].append(r)
+                    else:
+                        files[b] = r["files"]
+            for p in builds.values():
+                p.stdin.close()
+                p.wait()
+        finally:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", other], capture_output=True)
+    report(args, runs, files)
+
+
+def report(args, runs: dict, files: dict) -> None:
+    (a, ra), (b, rb) = runs.items()
+    n = len(ra[0]["save"])
+    ms = lambda xs: 1e3 * sum(xs) / n  # noqa: E731 (seconds of a chain -> ms a checkpoint)
+    zm = statistics.mean(ms(r["zstd"]) for r in ra + rb)
+    zmin = 1e3 * sum(min(col) for col in zip(*(r["zstd"] for r in ra + rb))) / n
+    print(f"### {args.method}: {b} build vs {a}, {args.reps} paired repetitions of the small chain ({n} checkpoints)\n")
+    print(f"same bytes written: {files[a] == files[b]}\n")
+    print(f"| build | save, mean ms | median | x zstd-3 (mean {zm:.2f} ms) | per-checkpoint minima, ms "
+          f"| x zstd-3 minima ({zmin:.2f} ms) |")
+    print("|---|---|---|---|---|---|")
+    for name, rs in ((a, ra), (b, rb)):
+        s = [ms(r["save"]) for r in rs]
+        mn = 1e3 * sum(min(col) for col in zip(*(r["save"] for r in rs))) / n
+        print(f"| {name} | {statistics.mean(s):.2f} | {statistics.median(s):.2f} | {statistics.mean(s) / zm:.2f}x "
+              f"| {mn:.2f} | {mn / zmin:.2f}x |")
+    d = [ms(x["save"]) - ms(y["save"]) for x, y in zip(ra, rb)]
+    se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+    ratio = statistics.mean(ms(r["save"]) for r in rb) / statistics.mean(ms(r["save"]) for r in ra)
+    print(f"\n{a} - {b}, paired: {statistics.mean(d):.2f} +- {se:.2f} ms a checkpoint (mean +- se); "
+          f"{b} takes {ratio:.3f}x the time of {a}")
+
+
+if __name__ == "__main__":
+    main()
