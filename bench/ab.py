@@ -72,9 +72,12 @@ def worker(src: str, states_path: str, method: str) -> None:
         print(json.dumps({"save": save, "zstd": zstd, "files": files}), flush=True)
 
 
-def start(src: str, states_path: str, method: str) -> subprocess.Popen:
+def start(src: str, states_path: str, method: str, cache: str) -> subprocess.Popen:
+    # each worker compiles its kernels into a fresh numba cache: a process that loaded them from
+    # an old cache and one that compiled them ran the same code ~5-10 % apart (A/A test, this script)
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache)
     p = subprocess.Popen([sys.executable, __file__, "--worker", src, states_path, method], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, text=True, env=env)
     if p.stdout.readline().strip() != "ready":
         raise SystemExit(f"the worker for {src} did not start")
     return p
@@ -109,8 +112,8 @@ def main() -> None:
         try:
             states_path = os.path.join(tmp, "states.pt")
             torch.save(speed.small_states(args.small_n, args.small_every), states_path)
-            builds = {args.rev: start(os.path.join(other, "src"), states_path, args.method),
-                      "this": start(os.path.join(ROOT, "src"), states_path, args.method)}
+            builds = {args.rev: start(os.path.join(other, "src"), states_path, args.method, os.path.join(tmp, "nb1")),
+                      "this": start(os.path.join(ROOT, "src"), states_path, args.method, os.path.join(tmp, "nb2"))}
             runs: dict[str, list[dict]] = {b: [] for b in builds}
             files = {}
             for rep in range(args.reps + 1):  # repetition 0 warms both up (numba's cache, first touches)
