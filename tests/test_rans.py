@@ -91,6 +91,8 @@ def test_batch_kernel_writes_rans_encode_bytes():
         R.rans_encode_codes([bad[:2], bad[::2]], np.array([4, 4]))
     with pytest.raises(ValueError, match="C-contiguous 1-D int64"):
         R.rans_encode_codes([bad[:2], bad[2:4].astype(np.int32)], np.array([4, 4]))
+    with pytest.raises(ValueError, match="a delta needs prevs"):  # never the curs read as their own parents
+        R.rans_encode_codes([bad[:2]], np.array([4]), None, np.array([True]))
 
 
 def test_large_stream_and_torch_input():

@@ -295,8 +295,7 @@ def _kmeans_rows_numba(points, counts, n, pad: float, k: int, sigma: float, max_
     ptr = torch.cat([n.new_zeros(1), n.cumsum(0)])
     x, w, s, dens = (torch.empty(R, B, dtype=torch.float64) for _ in range(4))
     _density_inputs(points.contiguous().numpy(), counts.contiguous().numpy(), ptr.numpy(), pad, float(sigma),
-                    1.0 - sigma,
-                    x.numpy(), w.numpy(), s.numpy(), dens.numpy())
+                    1.0 - sigma, x.numpy(), w.numpy(), s.numpy(), dens.numpy())
     powers = torch.stack([dens.pow(e) for e in DENSITY_EXPONENTS])
     centers = torch.empty(R, k, dtype=torch.float64)
     _density_lloyd(x.numpy(), w.numpy(), n.numpy(), s.numpy(), powers.numpy(), _seed_grids(k).numpy(),

@@ -45,9 +45,9 @@ import math
 import numpy as np
 
 from ..errors import CorruptCheckpointError
+from ..inplace import addresses, segment
 from .streamframe import (alphabet_header, as_symbols, open_alphabet_stream, pack_varints, seal, single_value_stream,
                           symbol_counts, write_varint)
-from ..inplace import addresses, segment
 from .huffman import HAVE_NUMBA, _pick
 from .scratch import scratch
 
@@ -127,9 +127,11 @@ def rans_encode_codes(curs: list[np.ndarray], n_levels, prevs: list[np.ndarray] 
     cur_at, offsets = addresses(curs, curs[0].dtype if n_seg else np.uint8)
     levels = np.ascontiguousarray(n_levels, dtype=np.int64)
     delta = np.zeros(n_seg, dtype=np.bool_) if delta is None else np.ascontiguousarray(delta, dtype=np.bool_)
-    prevs = prevs if delta.any() else []
-    if prevs and [p.size for p in prevs] != [c.size for c in curs]:
-        raise ValueError(f"prevs hold {[p.size for p in prevs]} codes, curs {[c.size for c in curs]}")
+    if not delta.any():
+        prevs = []
+    elif prevs is None or [p.size for p in prevs] != [c.size for c in curs]:
+        raise ValueError(f"a delta needs prevs of the curs' sizes {[c.size for c in curs]}, got "
+                         f"{None if prevs is None else [p.size for p in prevs]}")
     prev_at, _ = addresses(prevs, prevs[0].dtype) if prevs else (cur_at, None)
     sizes = np.diff(offsets)
     distinct = int(np.minimum(sizes, levels).sum())
