@@ -73,8 +73,8 @@ def worker(src: str, states_path: str, method: str) -> None:
 
 
 def start(src: str, states_path: str, method: str, cache: str) -> subprocess.Popen:
-    # each worker compiles its kernels into a fresh numba cache: a process that loaded them from
-    # an old cache and one that compiled them ran the same code ~5-10 % apart (A/A test, this script)
+    # each worker compiles its kernels into a fresh numba cache, so both start alike (one on the
+    # checkout's cache beside one that compiled gave an A/A test of 0.905x: docs/BENCHMARKS.md)
     env = dict(os.environ, NUMBA_CACHE_DIR=cache)
     p = subprocess.Popen([sys.executable, __file__, "--worker", src, states_path, method], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True, env=env)
