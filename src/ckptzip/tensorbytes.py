@@ -75,11 +75,13 @@ def host(t: torch.Tensor) -> torch.Tensor:
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A detached CPU copy of ``t`` that shares no memory with it (training mutates the original in
-    place); a CPU tensor's ``clone()`` costs half of ``.to("cpu", copy=True)`` on a small tensor."""
+    """A detached, contiguous CPU copy of ``t`` that shares no memory with it (training mutates the
+    original in place); a CPU tensor's ``clone()`` costs ~0.6x of ``.to("cpu", copy=True)``."""
     if t.requires_grad:
         t = t.detach()
-    return t.clone() if t.is_cpu else t.cpu()
+    if t.is_cpu:
+        return t.clone(memory_format=torch.contiguous_format)
+    return t.to("cpu", memory_format=torch.contiguous_format)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..tensorbytes import INT_DTYPES
+from ..tensorbytes import INT_DTYPES, to_numpy_bits
 from . import delta as _delta
 from . import rle as _rle
 from .frames import zstd_compress, zstd_decompress
@@ -189,8 +189,8 @@ def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, in
             batches[-1].append(i)
             filled[kind] = filled.get(kind, 0) + cur.numel()
     for (_, prev_dtype), members in ((k, m) for k, batches in kinds.items() for m in batches):
-        curs = [_flat(jobs[i][1]) for i in members]
-        prevs = [] if prev_dtype is None else [_flat(jobs[i][0]) for i in members]
+        curs = [to_numpy_bits(jobs[i][1]) for i in members]  # views of the usual flat CPU codes
+        prevs = [] if prev_dtype is None else [to_numpy_bits(jobs[i][0]) for i in members]
         streams = rans.rans_encode_codes(curs, [jobs[i][2] for i in members], prevs,
                                          np.full(len(members), bool(prevs)))
         for i, c, stream in zip(members, curs, streams):
@@ -202,14 +202,6 @@ def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, in
 
 
 BATCH_CODES = 1 << 22  # codes per batch of encode_codes_many: its scratch (a rank per code) stays small
-
-
-def _flat(t: torch.Tensor) -> np.ndarray:
-    """A tensor's values as a C-contiguous 1-D array (a view where it is one already: the usual
-    case, a record's codes, costs one call)."""
-    if t.dim() == 1 and t.is_cpu and t.is_contiguous():
-        return t.numpy()  # integer codes: never requires_grad
-    return np.ascontiguousarray(t.detach().reshape(-1).cpu().numpy())
 
 
 def _batchable(prev, cur, n_levels, options) -> bool:

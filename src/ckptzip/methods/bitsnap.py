@@ -77,6 +77,7 @@ from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError
 from ..quant import cluster8
 from ..quant.base import apply_codebook
 from ..state import FlatState, TensorRecord
+from ..tensorbytes import host_copy
 from .base import (DecodeContext, EncodeContext, Encoded, Method, Reference, decode_exact, encode_exact, is_exact,
                    register)
 
@@ -140,11 +141,6 @@ def quantize_moment(t: torch.Tensor, rec: TensorRecord, config: BitSnapConfig) -
     return cluster8.pack(q), {"n_clusters": config.n_clusters, "rounding": rounding}
 
 
-def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
-    # one copy whatever the device: the base must not alias weights that training mutates in place
-    return t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
-
-
 @register
 class BitSnapMethod(Method):
     name = "bitsnap"
@@ -175,7 +171,7 @@ class BitSnapMethod(Method):
                 n_model += t.numel()
                 if keyframe:
                     encode_exact(enc, name, t, level=cfg.zstd_level)
-                    new_base[name] = _cpu_copy(t)
+                    new_base[name] = host_copy(t)  # the base must not alias weights training mutates
                     continue
                 kind, k = self._encode_delta(enc, name, t.detach().cpu(), base[name])
                 kinds[kind] += 1
