@@ -5,11 +5,11 @@ than 2x zstd-3 although most of its bytes go through kernels near memory speed. 
 it side by side with the same chain less every parameter under ``--below`` elements (biases and
 norms) and those parameters' optimizer entries (step, exp_avg, exp_avg_sq): 1 % of the elements,
 two thirds of the records. The two chains save in turn, checkpoint by checkpoint (the first
-repetition warms up), and each stage's time is summed per save (thread CPU time,
-``torch.set_num_threads(1)``); each pair of saves of one checkpoint gives a paired difference, so a
-change in the machine's load hits both. Stages are inclusive: an indented one is part of the one above it (the
-quantizing methods' stages; a method that skips one has no row for it). The last column divides
-the difference by the number of records dropped: what one small record costs.
+repetition warms up), so each checkpoint gives a paired difference that a change in the machine's
+load hits on both sides. Time is thread CPU time with ``torch.set_num_threads(1)``, summed per
+save for each stage. Stages are inclusive, an indented one part of the one above it; a method that
+skips one (lossless: the quantizing stages) has no row for it. The last column divides the
+difference by the number of records dropped: what one small record costs.
 
 Run:  .venv/bin/python bench/record_cost.py [--reps 20] [--method dynaquant]
 """
@@ -58,9 +58,9 @@ def large_only(state: dict, below: int) -> dict:
     ids = [i for g in opt["param_groups"] for i in g["params"]]
     if len(ids) != len(params):
         raise SystemExit("the optimizer's entries do not follow the model's parameters")
-    drop = {k for k in params if model[k].numel() < below}
-    keep = {i for i, k in zip(ids, params) if k not in drop}
-    return {"model": {k: v for k, v in model.items() if k not in drop},
+    dropped = {model[k].data_ptr() for k in params if model[k].numel() < below}
+    keep = {i for i, k in zip(ids, params) if model[k].data_ptr() not in dropped}
+    return {"model": {k: v for k, v in model.items() if not (v.is_floating_point() and v.data_ptr() in dropped)},
             "optimizer": {"state": {i: s for i, s in opt["state"].items() if i in keep},
                           "param_groups": [{**g, "params": [i for i in g["params"] if i in keep]}
                                            for g in opt["param_groups"]]}}
@@ -155,8 +155,10 @@ def report(args, rows: dict, records: dict) -> None:
         print(f"| {name} | {1e3 * statistics.median(ra[label]):.2f} | {1e3 * statistics.median(rb[label]):.2f} "
               f"| {statistics.mean(d):.2f} +- {se:.2f} | {1e3 * statistics.mean(d) / dropped:.1f} |")
     for k, r in rows.items():
-        print(f"\n{k}: save {statistics.median(r['save']) / statistics.median(r['zstd-3']):.2f}x zstd-3 (medians)", end="")
+        ratio = statistics.median(r["save"]) / statistics.median(r["zstd-3"])
+        print(f"\n{k}: save {ratio:.2f}x zstd-3 (medians)", end="")
     print()
+
 
 if __name__ == "__main__":
     main()
