@@ -46,20 +46,16 @@ STAGES = [
 
 
 def large_only(state: dict, below: int) -> dict:
-    """``state`` less every parameter of fewer than ``below`` elements and its optimizer entry.
-    Optimizer indices follow the model's float tensors in state_dict order, a tied one once (as
-    flatten_state infers them)."""
+    """``state`` less every parameter of fewer than ``below`` elements and its optimizer entry,
+    linked by index as flatten_state links them (``state._infer_param_names``)."""
+    from ckptzip.state import _infer_param_names
+
     model, opt = state["model"], state["optimizer"]
-    params, seen = [], set()
-    for k, v in model.items():
-        if v.is_floating_point() and v.data_ptr() not in seen:
-            seen.add(v.data_ptr())
-            params.append(k)
-    ids = [i for g in opt["param_groups"] for i in g["params"]]
-    if len(ids) != len(params):
+    names = _infer_param_names(model, opt)
+    if not names:
         raise SystemExit("the optimizer's entries do not follow the model's parameters")
-    dropped = {model[k].data_ptr() for k in params if model[k].numel() < below}
-    keep = {i for i, k in zip(ids, params) if model[k].data_ptr() not in dropped}
+    dropped = {model[k].data_ptr() for k in names.values() if model[k].numel() < below}  # a tied key too
+    keep = {i for i, k in names.items() if model[k].data_ptr() not in dropped}
     return {"model": {k: v for k, v in model.items() if not (v.is_floating_point() and v.data_ptr() in dropped)},
             "optimizer": {"state": {i: s for i, s in opt["state"].items() if i in keep},
                           "param_groups": [{**g, "params": [i for i in g["params"] if i in keep]}

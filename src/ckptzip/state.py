@@ -51,7 +51,7 @@ class TensorRecord:
     @property
     def nbytes(self) -> int:
         """The tensor's raw bytes (what a save's ratio is taken against)."""
-        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+        return self.numel * ITEMSIZE[self.dtype]
 
     def to_dict(self) -> dict:
         return {"role": self.role, "dtype": self.dtype, "shape": list(self.shape),
