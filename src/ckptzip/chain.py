@@ -43,7 +43,7 @@ from .methods.base import DecodeContext, EncodeContext, Encoded, Method, Referen
 from .payload import Payload
 from .policy import KeyframePolicy, RetentionPolicy, keyframe_due, retention_split
 from .retry import RetryPolicy
-from .state import FlatState, TensorRecord, flatten_state, skeleton_refs, unflatten_state
+from .state import FlatState, TensorRecord, flatten_state, on_host, skeleton_refs, unflatten_state
 from .verify import Problem, verify_chain
 
 READ_ATTEMPTS = 4   # a reader re-reads the index this often when files vanish under it
@@ -166,7 +166,7 @@ class CheckpointChain:
              optimizer: torch.optim.Optimizer | None = None, ctx: EncodeContext | None = None) -> Entry:
         """Encode and commit one checkpoint. Returns its index entry."""
         step = int(step)
-        flat = state if isinstance(state, FlatState) else flatten_state(state, model, optimizer)
+        flat = on_host(state if isinstance(state, FlatState) else flatten_state(state, model, optimizer))
         failure = _StorageContext(f"saving step {step} to {self.url} failed")
         with failure:  # a StorageError says what it interrupted and what stays loadable
             base, record = self._claim()
@@ -176,7 +176,8 @@ class CheckpointChain:
                                  "save increasing steps (or start a new chain, or truncate this one)")
             ctx = ctx or EncodeContext(step=step, model=model)
             # the reference is replaced by the new one, or forgotten on failure: the method may reuse it
-            ctx = dataclasses.replace(ctx, step=step, base=self.base, reference_spent=True)
+            ctx = dataclasses.replace(ctx, step=step, base=self.base, reference_spent=True,
+                                      gradients=ctx.gradients and {n: g.cpu() for n, g in ctx.gradients.items()})
             if base.version != self._ref_version:
                 self.forget_reference()  # another writer (or chain object) committed since: rebuild it
             fname = None
@@ -286,18 +287,22 @@ class CheckpointChain:
             base = self._load_index()
             target = self.entry(step).step
             try:
-                (flat, manifest), ref = self._replay(target, base.entries, device=device)
+                (flat, manifest), ref = self._replay(target, base.entries)
                 break
             except CorruptCheckpointError:  # a file gone or replaced under us: fine if a writer moved on
                 if attempt + 1 == READ_ATTEMPTS or not self._moved(base):
                     raise
         entries = base.entries
+        held = set()
         if entries[-1].step == target and entries[-1].method == self.method.descriptor:
             self._ref, self._ref_version = ref, base.version  # a resumed run's next save is a delta again
             self.method.resume(manifest.get("method_meta", {}))
             # load_state_dict keeps the tensors it is given and training mutates them in place:
             # hand out copies of anything the writer's reference still holds
             held = {id(t) for t in ref.tensors()}
+        if torch.device(device).type != "cpu":  # decoded on the host (the CPU's values), then moved
+            flat.tensors = {n: t.to(device) for n, t in flat.tensors.items()}
+        elif held:
             flat.tensors = {n: t.clone() if id(t) in held else t for n, t in flat.tensors.items()}
         state = unflatten_state(flat.skeleton, flat.tensors)
         return Restored(target, state, flat, manifest)
@@ -317,7 +322,7 @@ class CheckpointChain:
     def _path(self, step: int, entries: list[Entry]) -> list[int]:
         return replay_path(entries, step, self.url)
 
-    def _replay(self, step: int, entries: list[Entry], *, device="cpu"):
+    def _replay(self, step: int, entries: list[Entry]):
         by_step = {e.step: e for e in entries}
         ref = None
         result = None
@@ -354,7 +359,7 @@ class CheckpointChain:
                 if fresh:
                     check_pipeline(p, record=n, method=m["method"].partition("/")[0])
                     known.add(seen)
-            tensors, ref = methods[key].decode(records, enc, ref, ctx=DecodeContext(step=s, device=device, base=self.base))
+            tensors, ref = methods[key].decode(records, enc, ref, ctx=DecodeContext(step=s, base=self.base))
             if set(skeleton_refs(m["skeleton"])) - set(tensors):
                 raise CorruptCheckpointError(f"{self.storage.path(e.file)}: skeleton names tensors the file lacks")
             result = (FlatState(tensors, records, m["skeleton"], m.get("extra", {})), m)

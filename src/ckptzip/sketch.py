@@ -172,9 +172,11 @@ class LogSketch:
     def ordinal_values(self, ords: torch.Tensor) -> torch.Tensor:
         """Bucket representative (float64) of each signed ordinal: ±2 gamma^key / (gamma + 1), 0 for 0."""
         ords = torch.as_tensor(ords)
-        key = ords.abs().to(torch.float64) + self._zero_key
+        host = ords.cpu()  # a few thousand values: the host's exp, so a CUDA sketch answers the CPU's bits
+        key = host.abs().to(torch.float64) + self._zero_key
         mag = torch.exp(key * self._log_gamma) * (2.0 / (1.0 + self.gamma))
-        return torch.where(ords == 0, torch.zeros_like(mag), torch.copysign(mag, ords.to(torch.float64)))
+        out = torch.where(host == 0, torch.zeros_like(mag), torch.copysign(mag, host.to(torch.float64)))
+        return out.to(ords.device)
 
     def histogram(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(centers, counts) of the non-empty buckets, ascending by value.

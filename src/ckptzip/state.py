@@ -116,6 +116,16 @@ class FlatState:
         return self._params
 
 
+def on_host(flat: FlatState) -> FlatState:
+    """``flat`` with every tensor in host memory: device tensors copied once, host ones as they are.
+    Saves encode host memory, as the async engine (shared memory) and DCP (its shards) do, so a state
+    on a GPU gives the CPU's files: encoding on the GPU wrote other bytes for ExCP, BitSnap, QD and
+    CNR and mixed devices in other methods (docs/BENCHMARKS.md, "CUDA")."""
+    if all(t.device.type == "cpu" for t in flat.tensors.values()):
+        return flat
+    return FlatState({n: t.detach().cpu() for n, t in flat.tensors.items()}, flat.records, flat.skeleton, flat.extra)
+
+
 # ---------------------------------------------------------------------------------------------
 # layer types from the module tree
 
@@ -375,7 +385,7 @@ def unflatten_state(skeleton, tensors: dict[str, torch.Tensor]):
             if tag in ("tensor", "alias"):
                 return tensors[obj["ref"]]
             if tag == "ndarray":
-                return tensors[obj["ref"]].contiguous().numpy().view(np.dtype(obj["np"])).copy()
+                return tensors[obj["ref"]].cpu().contiguous().numpy().view(np.dtype(obj["np"])).copy()
             if tag == "dict":
                 return {k: walk(v) for k, v in obj["items"]}
             if tag == "tuple":

@@ -194,10 +194,12 @@ def _replay(root: Root, step: int, rank: int, sha, device, methods: dict, only, 
                                    for n, r in m["records"].items()},
                           blobs=c.blobs, meta=m.get("method_meta", {}), keyframe=m["keyframe"])
         try:
-            tensors, ref = methods[key].decode(records, enc, ref, ctx=DecodeContext(step=s, device=device))
+            tensors, ref = methods[key].decode(records, enc, ref, ctx=DecodeContext(step=s))
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"{where}: {e}") from None
     rf = RankFile(path[0][1].manifest, tensors, path[0][1].blobs, root.where(step, rank_file(rank)))
     if verify_exact and rf.manifest["method"].split("/")[0] in LOSSLESS_METHODS:
         rf.verify_exact()
+    if torch.device(device).type != "cpu":  # decoded on the host (the CPU's values), then moved
+        rf.tensors = {n: t.to(device) for n, t in rf.tensors.items()}
     return rf, ref

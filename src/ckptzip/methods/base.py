@@ -105,7 +105,7 @@ class EncodeContext:
 @dataclass(kw_only=True)
 class DecodeContext:
     step: int
-    device: str | torch.device = "cpu"
+    device: str | torch.device = "cpu"            # the chain and DCP decode on the host, then move the result
     base: object | None = None                    # basestate.BaseWeights, for files coded against one
 
 
