@@ -28,12 +28,7 @@ FIXED = sorted(n for n, (_, _, search) in {**golden.CHAINS, **golden.CHAINS_CURR
 
 @pytest.fixture(scope="module")
 def values():
-    from safetensors.torch import load_file
-
-    out = load_file(V1 / "values.safetensors")
-    if (V2 / "values.safetensors").exists():
-        out.update(load_file(V2 / "values.safetensors"))
-    return out
+    return golden.all_values()
 
 
 @pytest.mark.parametrize("name", FIXED)

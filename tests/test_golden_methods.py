@@ -32,12 +32,7 @@ REGENERATE = "if the format change is deliberate: python tests/data/make_golden_
 
 @pytest.fixture(scope="module")
 def values():
-    from safetensors.torch import load_file
-
-    out = load_file(V1 / "values.safetensors")
-    if (V2 / "values.safetensors").exists():
-        out.update(load_file(V2 / "values.safetensors"))
-    return out
+    return golden.all_values()
 
 
 def test_every_method_has_a_golden_chain():

@@ -213,6 +213,16 @@ def load_inputs() -> tuple[dict, dict]:
     return json.loads((OUT / "inputs.json").read_text()), load_file(OUT / "values.safetensors")
 
 
+def all_values() -> dict:
+    """Every tensor a golden test compares against: v1's values.safetensors and v2's additions."""
+    from safetensors.torch import load_file
+
+    out = load_file(OUT / "values.safetensors")
+    if (OUT_CURRENT / "values.safetensors").exists():
+        out.update(load_file(OUT_CURRENT / "values.safetensors"))
+    return out
+
+
 def input_state(step: int, inputs: dict, values: dict):
     """The FlatState saved at ``step`` (a fresh copy: methods may not alias their input)."""
     from ckptzip.state import FlatState, TensorRecord
