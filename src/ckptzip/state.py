@@ -121,7 +121,7 @@ def on_host(flat: FlatState) -> FlatState:
     Saves encode host memory, as the async engine (shared memory) and DCP (its shards) do, so a state
     on a GPU gives the CPU's files: encoding on the GPU wrote other bytes for ExCP, BitSnap, QD and
     CNR and mixed devices in other methods (docs/BENCHMARKS.md, "CUDA")."""
-    if all(t.device.type == "cpu" for t in flat.tensors.values()):
+    if all(t.is_cpu for t in flat.tensors.values()):  # ~0.1 us a tensor (.device builds an object)
         return flat
     return FlatState({n: t.detach().cpu() for n, t in flat.tensors.items()}, flat.records, flat.skeleton, flat.extra)
 
