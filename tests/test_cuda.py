@@ -138,6 +138,7 @@ def test_dcp_saves_from_cuda_and_loads_onto_cuda(digits_snapshots, tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from ckptzip.dcp import CompressedReader, CompressedWriter, forget
+    from ckptzip.dcp.tools import flat_tensors
 
     _, _, snaps, _ = digits_snapshots
     loaded = {}
@@ -151,18 +152,7 @@ def test_dcp_saves_from_cuda_and_loads_onto_cuda(digits_snapshots, tmp_path):
             loaded[where] = target
     finally:
         forget()
-    cpu, gpu = list(_tensors(loaded["cpu"])), list(_tensors(loaded["gpu"]))
-    assert len(cpu) == len(gpu) > 0
-    for a, b in zip(cpu, gpu):
-        assert b.is_cuda and torch.equal(a, b.cpu())
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
+    cpu, gpu = dict(flat_tensors(loaded["cpu"])), dict(flat_tensors(loaded["gpu"]))
+    assert cpu and cpu.keys() == gpu.keys()
+    for k, a in cpu.items():
+        assert gpu[k].is_cuda and torch.equal(a, gpu[k].cpu()), k

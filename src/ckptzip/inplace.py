@@ -17,7 +17,7 @@ import numpy as np
 
 from .codec.huffman import HAVE_NUMBA
 
-__all__ = ["addresses", "segment", "HAVE_NUMBA"]
+__all__ = ["addresses", "segment"]
 
 
 def addresses(arrays: list[np.ndarray], dtype) -> tuple[np.ndarray, np.ndarray]:

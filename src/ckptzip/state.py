@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .errors import CorruptCheckpointError, UnsupportedStateError
-from .tensorbytes import FLOAT_DTYPES, ITEMSIZE, dtype_name
+from .tensorbytes import FLOAT_DTYPES, ITEMSIZE, dtype_name, host
 
 # Optimizer-state entries that are moments of a parameter (lossy codecs may compress these).
 MOMENT_ROLES = frozenset({"exp_avg", "exp_avg_sq", "momentum_buffer", "max_exp_avg_sq", "square_avg",
@@ -123,7 +123,7 @@ def on_host(flat: FlatState) -> FlatState:
     CNR and mixed devices in other methods (docs/BENCHMARKS.md, "CUDA")."""
     if all(t.is_cpu for t in flat.tensors.values()):  # ~0.1 us a tensor (.device builds an object)
         return flat
-    return FlatState({n: t.detach().cpu() for n, t in flat.tensors.items()}, flat.records, flat.skeleton, flat.extra)
+    return FlatState({n: host(t) for n, t in flat.tensors.items()}, flat.records, flat.skeleton, flat.extra)
 
 
 # ---------------------------------------------------------------------------------------------
