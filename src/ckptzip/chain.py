@@ -43,7 +43,7 @@ from .methods.base import DecodeContext, EncodeContext, Encoded, Method, Referen
 from .payload import Payload
 from .policy import KeyframePolicy, RetentionPolicy, keyframe_due, retention_split
 from .retry import RetryPolicy
-from .state import FlatState, TensorRecord, flatten_state, on_host, skeleton_refs, unflatten_state
+from .state import FlatState, TensorRecord, flatten_state, on_device, on_host, skeleton_refs, unflatten_state
 from .verify import Problem, verify_chain
 
 READ_ATTEMPTS = 4   # a reader re-reads the index this often when files vanish under it
@@ -300,10 +300,10 @@ class CheckpointChain:
             # load_state_dict keeps the tensors it is given and training mutates them in place:
             # hand out copies of anything the writer's reference still holds
             held = {id(t) for t in ref.tensors()}
-        if torch.device(device).type != "cpu":  # decoded on the host (the CPU's values), then moved
-            flat.tensors = {n: t.to(device) for n, t in flat.tensors.items()}
-        elif held:
-            flat.tensors = {n: t.clone() if id(t) in held else t for n, t in flat.tensors.items()}
+        moved = on_device(flat.tensors, device)
+        if moved is flat.tensors and held:
+            moved = {n: t.clone() if id(t) in held else t for n, t in flat.tensors.items()}
+        flat.tensors = moved
         state = unflatten_state(flat.skeleton, flat.tensors)
         return Restored(target, state, flat, manifest)
 

@@ -126,6 +126,14 @@ def on_host(flat: FlatState) -> FlatState:
     return FlatState({n: host(t) for n, t in flat.tensors.items()}, flat.records, flat.skeleton, flat.extra)
 
 
+def on_device(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """Decoded host tensors moved to ``device`` (``tensors`` itself for the CPU). Restores decode on
+    the host, on_host's twin, so a GPU restore holds the CPU's values."""
+    if torch.device(device).type == "cpu":
+        return tensors
+    return {n: t.to(device) for n, t in tensors.items()}
+
+
 # ---------------------------------------------------------------------------------------------
 # layer types from the module tree
 

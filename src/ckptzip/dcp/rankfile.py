@@ -32,7 +32,7 @@ import zstandard
 from ..errors import CorruptCheckpointError, malformed
 from ..format import decode_container, encode_container, header_sha256, sha256
 from ..methods.base import DecodeContext, Encoded, Method, method_for_file
-from ..state import TensorRecord
+from ..state import TensorRecord, on_device
 from ..tensorbytes import to_numpy_bits
 from .layout import Root, rank_file
 from .shardstate import ShardState
@@ -200,6 +200,5 @@ def _replay(root: Root, step: int, rank: int, sha, device, methods: dict, only, 
     rf = RankFile(path[0][1].manifest, tensors, path[0][1].blobs, root.where(step, rank_file(rank)))
     if verify_exact and rf.manifest["method"].split("/")[0] in LOSSLESS_METHODS:
         rf.verify_exact()
-    if torch.device(device).type != "cpu":  # decoded on the host (the CPU's values), then moved
-        rf.tensors = {n: t.to(device) for n, t in rf.tensors.items()}
+    rf.tensors = on_device(rf.tensors, device)
     return rf, ref
