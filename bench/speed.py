@@ -79,15 +79,16 @@ def stdlib_bytes(n: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(out[:n]), dtype=torch.uint8).long()
 
 
-def small_states(n: int, every: int) -> list[dict]:
-    """A byte-level GPT chain: n checkpoints ``every`` AdamW steps apart."""
+def small_states(n: int, every: int, *, n_embd: int = 96, n_layer: int = 4) -> list[dict]:
+    """A byte-level GPT chain: n checkpoints ``every`` AdamW steps apart (``n_embd``, ``n_layer``:
+    the small workload's unless bench/record_cost.py asks for another mix of tensors)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     text = stdlib_bytes(1_000_000)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=96, n_layer=4, n_head=4, n_positions=64,
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=n_embd, n_layer=n_layer, n_head=4, n_positions=64,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     return train(model, opt, text, seq=64, batch=8, every=every, n=n)
