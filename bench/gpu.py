@@ -11,7 +11,9 @@ method, per repetition, interleaved:
               starts, ties kept, as a training run holds it); the save's copy to the host counts;
   restore     ``CheckpointChain.restore`` of the last step onto ``device="cpu"`` / ``"cuda"`` (replays
               every file from the keyframe), against zstd-3 decompressing every checkpoint;
-  same files  whether the cuda save wrote byte-identical files to the cpu save (sha256 per file).
+  same files  whether the cuda save wrote byte-identical files to the cpu save (sha256 per file);
+  d2h         (gpt2) the save's copy of the state to the host alone, on_host against page-locked
+              copies through torch's host cache (--d2h-reps, 0 skips it).
 
 Times are wall-clock (``time.perf_counter``, after ``torch.cuda.synchronize()``): thread CPU time
 would miss the GPU's work. Run on a quiet machine; torch threads --threads (default 1, as speed.py).
@@ -119,6 +121,40 @@ def measure(states_cpu: list[dict], methods: list[str], reps: int, device: str, 
     return out
 
 
+def d2h(state_cpu: dict, reps: int, device: str) -> None:
+    """A save's copy of a device state to the host, alone: ``state.on_host`` (pageable, a tensor at a
+    time, freed after the save) against async copies into torch's page-locked host cache, which the
+    next save reuses (tried, not landed: the cache keeps its blocks, rounded up to powers of two)."""
+    from ckptzip.state import flatten_state, on_host
+
+    flat = flatten_state(to(state_cpu, device))
+    nbytes = sum(t.numel() * t.element_size() for t in flat.tensors.values())
+    ref = {n: t.cpu() for n, t in flat.tensors.items()}
+
+    def pinned():
+        out = {n: t.to("cpu", non_blocking=True, memory_format=torch.contiguous_format) for n, t in flat.tensors.items()}
+        torch.cuda.current_stream().synchronize()
+        return out
+
+    times = {"on_host (pageable)": [], "page-locked cache, first": [], "page-locked cache, reused": []}
+    for rep in range(reps + 1):
+        for k, fn in (("on_host (pageable)", lambda: on_host(flat).tensors),
+                      ("page-locked cache, reused", pinned)):
+            if k.startswith("page") and device != "cuda":
+                continue
+            dt, out = wall(fn, device)
+            times["page-locked cache, first" if k.startswith("page") and rep == 0 else k].append(dt)
+            assert all(torch.equal(out[n], ref[n]) for n in ref), f"{k}: the host copy differs"
+            del out
+            gc.collect()
+    held = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) if device == "cuda" else 0
+    print(f"\n### A save's copy to the host ({nbytes / 1e9:.2f} GB, {len(flat.tensors)} tensors; "
+          f"the page-locked cache holds {held / 1e9:.2f} GB after it)\n")
+    rows = [[k, f"{1e3 * statistics.median(v):.0f} [{1e3 * min(v):.0f}, {1e3 * max(v):.0f}]",
+             f"{nbytes / statistics.median(v) / 1e9:.1f}"] for k, v in times.items() if v]
+    print(md_table(["copy", "ms, median [min, max]", "GB/s"], rows))
+
+
 def fmt(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]"
 
@@ -150,6 +186,7 @@ def main(argv=None) -> None:
     p.add_argument("--big-methods", default="dynaquant,lossless", help="methods for gpt2")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--big-reps", type=int, default=1)
+    p.add_argument("--d2h-reps", type=int, default=5, help="gpt2: time the save's copy to the host alone")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--build-threads", type=int, default=os.cpu_count() or 1, help="torch threads while training")
     p.add_argument("--device", default="cuda")
@@ -165,6 +202,8 @@ def main(argv=None) -> None:
         states = small_states(6, 8) if kind == "small" else gpt2_states(2)
         print(f"{kind}: built {len(states)} states in {time.perf_counter() - t:.0f}s", flush=True)
         torch.set_num_threads(args.threads)
+        if kind == "gpt2" and args.d2h_reps:
+            d2h(states[-1], args.d2h_reps, args.device)
         small = kind == "small"  # run first: it warms every kernel up for gpt2
         methods = (args.methods if small else args.big_methods).split(",")
         res = measure(states, methods, args.reps if small else args.big_reps, args.device, warmup=small)

@@ -90,6 +90,20 @@ def test_training_state_on_cuda_writes_the_cpu_bytes(method, digits_snapshots, t
     assert all(t.is_cuda for t in r.flat.tensors.values())
 
 
+def test_on_host_copies_a_cuda_state_once(digits_snapshots):
+    """A save's one copy of a GPU state: every tensor in host memory with the GPU's values, marked as
+    the save's own so methods keep it (exact parents, BitSnap's base) without a second copy."""
+    from ckptzip.state import flatten_state, on_host
+
+    snap = digits_snapshots[2][-1]
+    flat = flatten_state(_cuda_state(snap))
+    h = on_host(flat)
+    assert h.copied == set(flat.tensors)
+    for n, t in h.tensors.items():
+        assert t.is_cpu and t.is_contiguous() and torch.equal(t, flat.tensors[n].cpu()), n
+        assert h.own(n) is t
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_training_on_cuda_saves_and_resumes(async_save, tmp_path):
     """Train on the GPU, save every 20 steps (the async engine stages through pinned memory), restore

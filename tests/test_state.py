@@ -17,7 +17,8 @@ from torch import nn
 
 from ckptzip.errors import CorruptCheckpointError, UnsupportedStateError
 from ckptzip.format import decode_container, encode_container
-from ckptzip.state import MOMENT_ROLES, TensorRecord, flatten_state, layer_types, skeleton_refs, unflatten_state
+from ckptzip.state import (MOMENT_ROLES, TensorRecord, flatten_state, layer_types, on_host, skeleton_refs,
+                           unflatten_state)
 from ckptzip.tensorbytes import tensor_from_bytes, tensor_to_bytes
 
 
@@ -403,3 +404,15 @@ def test_tied_weights_are_stored_once_and_stay_tied():
     fresh = transformers.GPT2LMHeadModel(cfg)
     fresh.load_state_dict(out["model"])
     assert torch.equal(fresh.lm_head.weight, model.lm_head.weight)
+
+
+def test_a_host_state_is_saved_as_it_is_and_own_copies_it(digits_snapshots):
+    """on_host leaves a CPU state alone (a save reads it in place), so a tensor a method keeps past the
+    save (an exact parent, BitSnap's base) must be a fresh copy: training mutates the live one."""
+    snap = digits_snapshots[2][-1]
+    flat = flatten_state({"model": snap.model, "optimizer": snap.optimizer})
+    assert on_host(flat) is flat and not flat.copied
+    name = next(iter(flat.tensors))
+    own = flat.own(name)
+    assert torch.equal(own, flat.tensors[name]) and own.untyped_storage().data_ptr() != \
+        flat.tensors[name].untyped_storage().data_ptr()

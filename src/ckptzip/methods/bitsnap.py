@@ -77,7 +77,6 @@ from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError
 from ..quant import cluster8
 from ..quant.base import apply_codebook
 from ..state import FlatState, TensorRecord
-from ..tensorbytes import host_copy
 from .base import (DecodeContext, EncodeContext, Encoded, Method, Reference, decode_exact, encode_exact, is_exact,
                    register)
 
@@ -171,7 +170,7 @@ class BitSnapMethod(Method):
                 n_model += t.numel()
                 if keyframe:
                     encode_exact(enc, name, t, level=cfg.zstd_level)
-                    new_base[name] = host_copy(t)  # the base must not alias weights training mutates
+                    new_base[name] = state.own(name)  # the base must not alias weights training mutates
                     continue
                 kind, k = self._encode_delta(enc, name, t.detach().cpu(), base[name])
                 kinds[kind] += 1

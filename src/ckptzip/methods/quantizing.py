@@ -66,7 +66,6 @@ from ..quant.base import QuantizedTensor, all_finite
 from ..search.config import SearchConfig
 from ..search.spaces import Space
 from ..state import FlatState, TensorRecord
-from ..tensorbytes import host_copy
 from . import moments, qrecord
 from .base import DecodeContext, EncodeContext, Encoded, Method, Reference, decode_exact, encode_exact, is_exact
 from .groups import GroupWriter
@@ -367,7 +366,7 @@ class QuantizingMethod(Method):
                 if c is not None:
                     codes_m[name] = c
             elif q is None:
-                t = exact[name] = host_copy(state.tensors[name])  # training moves the live one
+                t = exact[name] = state.own(name)  # training moves the live one
                 encode_exact(enc, name, t, parent=None if enc.keyframe else prev.exact.get(name), groups=groups)
             else:
                 p = None if enc.keyframe else prev.weights.get(name)
