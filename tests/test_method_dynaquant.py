@@ -74,6 +74,28 @@ def test_decoded_codes_equal_written_codes(chain_and_run):
         assert torch.equal(ref.weights[name].codes.long(), q.codes.long()), name
 
 
+def test_code_streams_decoded_ahead_restore_what_one_at_a_time_does(chain_and_run, monkeypatch):
+    """A restore decodes each file's code streams in one batch first (qrecord.predecode), and every
+    record's load takes its stream from there: the same tensors as decoding each at its load."""
+    from ckptzip.methods import qrecord
+
+    ch, entries, *_ = chain_and_run
+    batched, seen = qrecord.predecode, []
+
+    def spy(enc, names):
+        batched(enc, names)
+        assert enc.ahead, "no code stream was decoded ahead"
+        seen.append(enc)
+
+    monkeypatch.setattr(qrecord, "predecode", spy)
+    ahead = CheckpointChain(ch.url).restore(entries[-1].step).flat.tensors
+    assert len(seen) == 2 and all(not enc.ahead for enc in seen)  # keyframe + 1 delta; every stream used
+    monkeypatch.setattr(qrecord, "predecode", lambda enc, names: None)
+    alone = CheckpointChain(ch.url).restore(entries[-1].step).flat.tensors
+    assert ahead.keys() == alone.keys()
+    assert all(torch.equal(ahead[n].view(-1).view(torch.uint8), alone[n].view(-1).view(torch.uint8)) for n in ahead)
+
+
 def test_delta_records_and_resumed_writer(chain_and_run, tmp_path):
     ch, entries, model, opt, snaps, ev = chain_and_run
     data = ch.storage.read(entries[1].file)

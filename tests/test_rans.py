@@ -159,6 +159,57 @@ def test_truncated_flipped_and_forged_buffers_raise(backend):
             R.rans_decode(forged, backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_many_is_decode_of_each(backend):
+    """Every stream of streams() at every lane count, and single-lane streams of many lengths (the
+    kernel decodes four at a time, each to its own end): what rans_decode gives, in input order."""
+    rng = np.random.default_rng(5)
+    xs = [x for _, x in streams()] + [(rng.random(n) < p).astype(np.int64) * 3 - 1
+                                      for n, p in ((4000, 0.98), (4001, 0.9), (37, 0.5), (9000, 0.99), (2, 0.5))]
+    bufs = [R.rans_encode(x, lanes=lanes) for x in xs for lanes in R.LANES]
+    out = R.rans_decode_many(bufs, backend=backend)
+    assert len(out) == len(bufs)
+    for buf, got in zip(bufs, out):
+        assert got.dtype == np.int64 and np.array_equal(got, R.rans_decode(buf))
+    assert R.rans_decode_many([]) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_many_reports_a_corrupt_stream_in_a_group(backend):
+    """A stream whose header is sound but whose words are not fails its group of four; decoded
+    alone, it raises rans_decode's error (the others decode)."""
+    rng = np.random.default_rng(6)
+    good = [R.rans_encode((rng.random(3000) < 0.97).astype(np.int64), lanes=1) for _ in range(7)]
+    body = bytearray(good[2][:-4])
+    body[-9] ^= 0x5A
+    bad = S.seal(bytes(body))
+    with pytest.raises(CorruptCheckpointError, match="does not decode") as alone:
+        R.rans_decode(bad, backend=backend)
+    with pytest.raises(CorruptCheckpointError) as many:
+        R.rans_decode_many(good[:2] + [bad] + good[3:], backend=backend)
+    assert str(many.value) == str(alone.value)
+    assert [a.tolist() for a in R.rans_decode_many(good, backend=backend)] == [R.rans_decode(b).tolist() for b in good]
+
+
+def test_codes_decoded_ahead_are_the_codes(tmp_path):
+    """entropy.decode_symbols_many: the order-0 rANS streams within the budget decoded ahead, the
+    rest (RLE, another coder, past the budget) left to decode_codes; decode_codes given them
+    returns what it decodes itself; one damaged buffer and nothing is decoded ahead."""
+    rng = np.random.default_rng(7)
+    codes = [torch.from_numpy(rng.integers(0, 4, n)) for n in (500, 3000, 700, 800, 900)]
+    codes[3][100:700] = 0  # a long run: RLE applies
+    bufs = [E.encode_codes(None, c, 4, coder=coder, rle=rle)
+            for c, coder, rle in zip(codes, ["rans", "rans", "zstd", "rans", "rans"], [False, False, False, True, False])]
+    assert E._split_codes(bufs[3])[0]["rle"]
+    ahead = E.decode_symbols_many(bufs, max_symbols=1500)
+    assert [a is not None for a in ahead] == [True, False, False, False, True]  # 3000 codes: past the budget left
+    for buf, sym, c in zip(bufs, ahead, codes):
+        assert torch.equal(E.decode_codes(buf, symbols=sym), c) and torch.equal(E.decode_codes(buf), c)
+    damaged = bytearray(bufs[4])
+    damaged[-2] ^= 1
+    assert E.decode_symbols_many(bufs[:4] + [bytes(damaged)], max_symbols=1 << 20) == [None] * 5
+
+
 def _forge(x, *, lanes=None, n=None, freq_bump=0) -> bytes:
     """x's stream rebuilt field by field with one field replaced (resealed)."""
     r, n0, values = S.open_alphabet_stream(R.rans_encode(x, lanes=1), b"RA\x01", "t")

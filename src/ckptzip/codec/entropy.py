@@ -222,12 +222,13 @@ def read_codes_header(buf) -> dict:
 
 
 def decode_codes(buf, prev_codes: torch.Tensor | None = None, n_levels: int | None = None, *,
-                 device: torch.device | str | None = None) -> torch.Tensor:
+                 device: torch.device | str | None = None, symbols: np.ndarray | None = None) -> torch.Tensor:
     """Inverse of :func:`encode_codes` -> (n,) int64 codes.
 
     ``prev_codes``: the previous checkpoint's codes, required exactly when the buffer is a delta.
     ``n_levels``: optional check against the recorded B. The result lives on ``device``, else on
-    ``prev_codes``'s device, else on CPU.
+    ``prev_codes``'s device, else on CPU. ``symbols``: the buffer's stream already decoded
+    (:func:`decode_symbols_many`).
     """
     h, body = _split_codes(buf)
     n, levels = h["n"], h["n_levels"]
@@ -237,7 +238,8 @@ def decode_codes(buf, prev_codes: torch.Tensor | None = None, n_levels: int | No
         raise ValueError("this buffer is a delta: pass the previous checkpoint's codes as prev_codes")
     if device is None:
         device = prev_codes.device if prev_codes is not None else "cpu"
-    symbols = decode_stream(h["coder"], body)
+    if symbols is None:
+        symbols = decode_stream(h["coder"], body)
     stream = torch.from_numpy(symbols).to(device)
     if h["rle"]:
         stream = _rle.rle_decode(stream, n)
@@ -256,6 +258,30 @@ def decode_codes(buf, prev_codes: torch.Tensor | None = None, n_levels: int | No
         return _delta.undo_grouped_cyclic_delta(prev, stream, levels).to(torch.int64)
     _delta._check_range(prev, levels, "prev_codes")
     return _delta.undo_cyclic_delta(prev, stream, levels).to(torch.int64)
+
+
+def decode_symbols_many(bufs: Sequence, max_symbols: int) -> list[np.ndarray | None]:
+    """The streams of many :func:`encode_codes` buffers decoded ahead of ``decode_codes(buf,
+    symbols=)``: the order-0 rANS ones (no RLE), in order while they hold at most ``max_symbols``
+    codes in all, in one batch (``rans_decode_many``: single-lane streams four at a time); None for
+    the rest, and for every buffer where one is damaged (decode_codes reports it as before)."""
+    from .rans import rans_decode_many
+
+    picked, bodies, total = [], [], 0
+    try:
+        for i, buf in enumerate(bufs):
+            h, body = _split_codes(buf)
+            if h["coder"] == "rans" and not h["rle"] and total + h["n"] <= max_symbols:
+                picked.append(i)
+                bodies.append(body)
+                total += h["n"]
+        decoded = rans_decode_many(bodies)
+    except CorruptCheckpointError:
+        return [None] * len(bufs)
+    out: list[np.ndarray | None] = [None] * len(bufs)
+    for i, symbols in zip(picked, decoded):
+        out[i] = symbols
+    return out
 
 
 def _split_codes(buf) -> tuple[dict, memoryview]:

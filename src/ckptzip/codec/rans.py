@@ -4,6 +4,7 @@ Same interface as codec/ans.py (whose constriction coder it replaces where speed
 
     buf = rans_encode(symbols)         # 1-D integers (numpy or torch) -> bytes
     out = rans_decode(buf)             # -> 1-D numpy int64, equal to symbols
+    outs = rans_decode_many(bufs)      # the same for many streams, single-lane ones four at a time
     bufs = rans_encode_codes(cur, offsets, n_levels, prev, delta)  # many streams of codes (or their
                                        # cyclic deltas) in one numba call: rans_encode's bytes each
 
@@ -56,8 +57,8 @@ if HAVE_NUMBA:
 
     from .streamframe import _count_kernel, _minmax_kernel, _put_varint  # the batch kernel's passes
 
-__all__ = ["rans_encode", "rans_encode_codes", "rans_decode", "normalize_counts", "choose_lanes", "PRECISION_BITS",
-           "HAVE_NUMBA"]
+__all__ = ["rans_encode", "rans_encode_codes", "rans_decode", "rans_decode_many", "normalize_counts", "choose_lanes",
+           "PRECISION_BITS", "HAVE_NUMBA"]
 
 PRECISION_BITS = 24
 LANES = (1, 2, 4)
@@ -158,7 +159,48 @@ def rans_encode_codes(curs: list[np.ndarray], n_levels, prevs: list[np.ndarray] 
 
 def rans_decode(buf, *, backend: str = "auto") -> np.ndarray:
     """Inverse of :func:`rans_encode` -> 1-D int64 array. Corrupt input: CorruptCheckpointError."""
+    s = _open(buf)
+    return s if isinstance(s, np.ndarray) else _decode_one(s, _pick(backend))
+
+
+def rans_decode_many(bufs, *, backend: str = "auto") -> list[np.ndarray]:
+    """``[rans_decode(b) for b in bufs]``, single-lane streams four at a time. A lane's decode is one
+    chain of dependent loads and multiplies; four streams' chains overlap on one core (a restore's
+    low-entropy streams are mostly single-lane: too short a payload for more lanes)."""
     fast = _pick(backend)
+    out: list = [None] * len(bufs)
+    single = []
+    for i, buf in enumerate(bufs):
+        s = _open(buf)
+        if isinstance(s, np.ndarray):
+            out[i] = s
+        elif fast and s[3] == 1:
+            single.append((i, s))
+        else:
+            out[i] = _decode_one(s, fast)
+    single.sort(key=lambda item: item[1][0])  # similar lengths together: less of a tail to run alone
+    whole = len(single) - len(single) % 4
+    if whole:
+        group = [s for _, s in single[:whole]]
+        words, freqs, values = (np.concatenate([s[j] for s in group]) for j in (4, 2, 1))
+        ns = np.array([s[0] for s in group], dtype=np.int64)
+        wo, fo, vo = (np.cumsum([0] + [s[j].size for s in group]) for j in (4, 2, 1))
+        oo = np.concatenate(([0], np.cumsum(ns)))
+        Ps = np.array([s[5] for s in group], dtype=np.int64)
+        res = np.empty(int(oo[-1]), dtype=np.int64)
+        ok = np.zeros(whole // 4, dtype=np.bool_)
+        _decode4_kernel(words, wo, freqs.astype(np.uint64), fo, values, vo, Ps, ns, res, oo, ok)
+        for j, (i, s) in enumerate(single[:whole]):
+            # a group that fails holds a corrupt stream: each of its four alone raises its own error
+            out[i] = res[oo[j]:oo[j + 1]] if ok[j // 4] else _decode_one(s, fast)
+    for i, s in single[whole:]:
+        out[i] = _decode_one(s, fast)
+    return out
+
+
+def _open(buf):
+    """A stream's checked header -> its symbols (a stream of one value), else (n, values, freqs,
+    lanes, words, P) for the decoder."""
     r, n, values = open_alphabet_stream(buf, _MAGIC, "rans stream", max_k=_MAX_DISTINCT)
     single = single_value_stream(r, n, values)
     if single is not None:
@@ -183,6 +225,11 @@ def rans_decode(buf, *, backend: str = "auto") -> np.ndarray:
     grow = math.log2(1 + ((1 << P) - fmax) / fmax * (1 - 2.0 ** (P - 31)))
     if n * grow > 32 * (n_words - lanes) + 1:
         raise CorruptCheckpointError(f"rans payload of {n_words} words cannot hold {n} symbols")
+    return n, values, freqs, lanes, words, P
+
+
+def _decode_one(opened, fast: bool) -> np.ndarray:
+    n, values, freqs, lanes, words, P = opened
     out = np.empty(n, dtype=np.int64)
     ok = (_decode_kernel if fast else _decode_python)(words, n, lanes, freqs.astype(np.uint64), P, values, out)
     if not ok:
@@ -495,11 +542,10 @@ if HAVE_NUMBA:
             pos += 1
         return x, pos
 
-    @_numba.njit(cache=True, nogil=True)
-    def _decode_kernel(words, n, lanes, freqs, P, values, out):  # pragma: no cover - compiled
-        """Decode n symbols into out -> False when the words run out, or do not end with every
-        lane back at L. The symbol of a slot: a table over its top bits gives the first candidate,
-        then the cumulative counts are stepped up (rarely more than one step)."""
+    @_numba.njit(inline="always")
+    def _tables(freqs, P):  # pragma: no cover - compiled
+        """(cumulative counts, the table of a slot's first candidate symbol over its top bits, the
+        shift to those bits)."""
         k = freqs.size
         st = np.empty(k + 1, dtype=np.uint64)
         st[0] = 0
@@ -516,12 +562,85 @@ if HAVE_NUMBA:
             while st[s + 1] <= v:
                 s += 1
             lut[b] = s
+        return st, lut, np.uint64(P - tbits)
+
+    @_numba.njit(inline="always")
+    def _padded(words):  # pragma: no cover - compiled
+        """words and a zero: words[min(pos, nw)] is always a valid read."""
+        padded = np.zeros(words.size + 1, dtype=np.uint32)
+        padded[:words.size] = words
+        return padded
+
+    @_numba.njit(inline="always")
+    def _start(words):  # pragma: no cover - compiled
+        return (np.uint64(words[0]) << _U32) | np.uint64(words[1])
+
+    @_numba.njit(inline="always")
+    def _run(x, pos, lo, hi, freqs, st, lut, ts, P, mask, values, out, padded, nw):  # pragma: no cover - compiled
+        """One single-lane stream's symbols lo..hi-1 into out -> (its state, its word position)."""
+        for i in range(lo, hi):
+            s, x = _dec(x, freqs, st, lut, ts, P, mask)
+            out[i] = values[s]
+            x, pos = _refill(x, padded[min(pos, nw)], pos)
+        return x, pos
+
+    @_numba.njit(cache=True, nogil=True)
+    def _decode4_kernel(words, wo, freqs, fo, values, vo, Ps, ns, out, oo, ok):  # pragma: no cover - compiled
+        """Single-lane streams four at a time (stream j: words[wo[j]:wo[j+1]], freqs, values and
+        out likewise, P Ps[j], ns[j] symbols): one symbol of each in turn while all four have one,
+        then each to its end. ok[g]: _decode_kernel's check of all four streams of group g."""
+        for g in range(ok.size):
+            j = 4 * g
+            w0, w1, w2, w3 = words[wo[j]:wo[j + 1]], words[wo[j + 1]:wo[j + 2]], \
+                words[wo[j + 2]:wo[j + 3]], words[wo[j + 3]:wo[j + 4]]
+            f0, f1, f2, f3 = freqs[fo[j]:fo[j + 1]], freqs[fo[j + 1]:fo[j + 2]], \
+                freqs[fo[j + 2]:fo[j + 3]], freqs[fo[j + 3]:fo[j + 4]]
+            v0, v1, v2, v3 = values[vo[j]:vo[j + 1]], values[vo[j + 1]:vo[j + 2]], \
+                values[vo[j + 2]:vo[j + 3]], values[vo[j + 3]:vo[j + 4]]
+            o0, o1, o2, o3 = out[oo[j]:oo[j + 1]], out[oo[j + 1]:oo[j + 2]], \
+                out[oo[j + 2]:oo[j + 3]], out[oo[j + 3]:oo[j + 4]]
+            st0, l0, t0 = _tables(f0, Ps[j])
+            st1, l1, t1 = _tables(f1, Ps[j + 1])
+            st2, l2, t2 = _tables(f2, Ps[j + 2])
+            st3, l3, t3 = _tables(f3, Ps[j + 3])
+            u0, u1, u2, u3 = np.uint64(Ps[j]), np.uint64(Ps[j + 1]), np.uint64(Ps[j + 2]), np.uint64(Ps[j + 3])
+            m0, m1 = np.uint64((1 << Ps[j]) - 1), np.uint64((1 << Ps[j + 1]) - 1)
+            m2, m3 = np.uint64((1 << Ps[j + 2]) - 1), np.uint64((1 << Ps[j + 3]) - 1)
+            p0, p1, p2, p3 = _padded(w0), _padded(w1), _padded(w2), _padded(w3)
+            n0, n1, n2, n3 = w0.size, w1.size, w2.size, w3.size
+            x0, x1, x2, x3 = _start(w0), _start(w1), _start(w2), _start(w3)
+            q0 = q1 = q2 = q3 = 2
+            common = min(min(ns[j], ns[j + 1]), min(ns[j + 2], ns[j + 3]))  # symbols all four have
+            for i in range(common):
+                s, x0 = _dec(x0, f0, st0, l0, t0, u0, m0)
+                o0[i] = v0[s]
+                s, x1 = _dec(x1, f1, st1, l1, t1, u1, m1)
+                o1[i] = v1[s]
+                s, x2 = _dec(x2, f2, st2, l2, t2, u2, m2)
+                o2[i] = v2[s]
+                s, x3 = _dec(x3, f3, st3, l3, t3, u3, m3)
+                o3[i] = v3[s]
+                x0, q0 = _refill(x0, p0[min(q0, n0)], q0)
+                x1, q1 = _refill(x1, p1[min(q1, n1)], q1)
+                x2, q2 = _refill(x2, p2[min(q2, n2)], q2)
+                x3, q3 = _refill(x3, p3[min(q3, n3)], q3)
+            x0, q0 = _run(x0, q0, common, ns[j], f0, st0, l0, t0, u0, m0, v0, o0, p0, n0)
+            x1, q1 = _run(x1, q1, common, ns[j + 1], f1, st1, l1, t1, u1, m1, v1, o1, p1, n1)
+            x2, q2 = _run(x2, q2, common, ns[j + 2], f2, st2, l2, t2, u2, m2, v2, o2, p2, n2)
+            x3, q3 = _run(x3, q3, common, ns[j + 3], f3, st3, l3, t3, u3, m3, v3, o3, p3, n3)
+            ok[g] = (q0 == n0 and q1 == n1 and q2 == n2 and q3 == n3
+                     and x0 == _UL and x1 == _UL and x2 == _UL and x3 == _UL)
+
+    @_numba.njit(cache=True, nogil=True)
+    def _decode_kernel(words, n, lanes, freqs, P, values, out):  # pragma: no cover - compiled
+        """Decode n symbols into out -> False when the words run out, or do not end with every
+        lane back at L. The symbol of a slot: a table over its top bits gives the first candidate,
+        then the cumulative counts are stepped up (rarely more than one step)."""
+        st, lut, ts = _tables(freqs, P)
         mask = np.uint64((1 << P) - 1)
         up = np.uint64(P)
-        ts = np.uint64(P - tbits)
         nw = words.size
-        padded = np.zeros(nw + 1, dtype=np.uint32)  # words[min(pos, nw)] is always a valid read
-        padded[:nw] = words
+        padded = _padded(words)
         x = np.full(4, _UL, dtype=np.uint64)
         for j in range(lanes):
             x[j] = (np.uint64(words[2 * j]) << _U32) | np.uint64(words[2 * j + 1])
@@ -555,11 +674,8 @@ if HAVE_NUMBA:
                 x1, pos = _refill(x1, padded[min(pos, nw)], pos)
                 i += 2
         else:
-            while i < whole:
-                s, x0 = _dec(x0, freqs, st, lut, ts, up, mask)
-                out[i] = values[s]
-                x0, pos = _refill(x0, padded[min(pos, nw)], pos)
-                i += 1
+            x0, pos = _run(x0, pos, 0, whole, freqs, st, lut, ts, up, mask, values, out, padded, nw)
+            i = whole
         for j in range(n - whole):  # a partial group: lanes 0, 1, 2
             xj = x0 if j == 0 else x1 if j == 1 else x2
             s, xj = _dec(xj, freqs, st, lut, ts, up, mask)
@@ -860,4 +976,5 @@ if HAVE_NUMBA:
             z -= 1
         return z
 else:  # pragma: no cover
-    _round_counts = _encode_kernel = _decode_kernel = _cost_kernel = _alphabets_kernel = _streams_kernel = None
+    _round_counts = _encode_kernel = _decode_kernel = _decode4_kernel = _cost_kernel = _alphabets_kernel = None
+    _streams_kernel = None
