@@ -63,8 +63,8 @@ class Encoded:
     meta: dict = field(default_factory=dict)                # method-level JSON (search results, ...)
     keyframe: bool = True
     skeleton: object | None = None                          # stored instead of the state's skeleton (excp)
-    ahead: dict = field(default_factory=dict, repr=False, compare=False)  # decoding: record -> its code
-                                                            # stream's symbols, decoded in a batch (qrecord.predecode)
+    # decoding: record -> its code stream's symbols, decoded ahead in one batch (qrecord.predecode)
+    ahead: dict = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, name: str, pipeline: list[str], meta: dict | None = None, **blobs: bytes) -> None:
         """Add a record; blob keys are made unique as ``<record index>.<part>``."""
