@@ -159,15 +159,16 @@ def test_truncated_flipped_and_forged_buffers_raise(backend):
             R.rans_decode(forged, backend=backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_decode_many_is_decode_of_each(backend):
+@pytest.mark.parametrize("backend,threads", [(b, t) for b in BACKENDS for t in (1, 3)])
+def test_decode_many_is_decode_of_each(backend, threads):
     """Every stream of streams() at every lane count, and single-lane streams of many lengths (the
-    kernel decodes four at a time, each to its own end): what rans_decode gives, in input order."""
+    kernel decodes four at a time, each to its own end), on one thread or spread over three: what
+    rans_decode gives, in input order."""
     rng = np.random.default_rng(5)
     xs = [x for _, x in streams()] + [(rng.random(n) < p).astype(np.int64) * 3 - 1
                                       for n, p in ((4000, 0.98), (4001, 0.9), (37, 0.5), (9000, 0.99), (2, 0.5))]
     bufs = [R.rans_encode(x, lanes=lanes) for x in xs for lanes in R.LANES]
-    out = R.rans_decode_many(bufs, backend=backend)
+    out = R.rans_decode_many(bufs, backend=backend, threads=threads)
     assert len(out) == len(bufs)
     for buf, got in zip(bufs, out):
         assert got.dtype == np.int64 and np.array_equal(got, R.rans_decode(buf))
@@ -185,9 +186,10 @@ def test_decode_many_reports_a_corrupt_stream_in_a_group(backend):
     bad = S.seal(bytes(body))
     with pytest.raises(CorruptCheckpointError, match="does not decode") as alone:
         R.rans_decode(bad, backend=backend)
-    with pytest.raises(CorruptCheckpointError) as many:
-        R.rans_decode_many(good[:2] + [bad] + good[3:], backend=backend)
-    assert str(many.value) == str(alone.value)
+    for threads in (1, 2):
+        with pytest.raises(CorruptCheckpointError) as many:
+            R.rans_decode_many(good[:2] + [bad] + good[3:], backend=backend, threads=threads)
+        assert str(many.value) == str(alone.value)
     assert [a.tolist() for a in R.rans_decode_many(good, backend=backend)] == [R.rans_decode(b).tolist() for b in good]
 
 

@@ -163,23 +163,25 @@ def rans_decode(buf, *, backend: str = "auto") -> np.ndarray:
     return s if isinstance(s, np.ndarray) else _decode_one(s, _pick(backend))
 
 
-def rans_decode_many(bufs, *, backend: str = "auto") -> list[np.ndarray]:
+def rans_decode_many(bufs, *, backend: str = "auto", threads: int | None = None) -> list[np.ndarray]:
     """``[rans_decode(b) for b in bufs]``, single-lane streams four at a time. A lane's decode is one
     chain of dependent loads and multiplies; four streams' chains overlap on one core (a restore's
-    low-entropy streams are mostly single-lane: too short a payload for more lanes)."""
+    low-entropy streams are mostly single-lane: too short a payload for more lanes). ``threads``:
+    the groups of four and the other streams spread over threads (default: torch's count)."""
+    from ..parallel import thread_map
+
     fast = _pick(backend)
     out: list = [None] * len(bufs)
-    single = []
+    single, other = [], []
     for i, buf in enumerate(bufs):
         s = _open(buf)
         if isinstance(s, np.ndarray):
             out[i] = s
-        elif fast and s[3] == 1:
-            single.append((i, s))
         else:
-            out[i] = _decode_one(s, fast)
+            (single if fast and s[3] == 1 else other).append((i, s))
     single.sort(key=lambda item: item[1][0])  # similar lengths together: less of a tail to run alone
     whole = len(single) - len(single) % 4
+    jobs = other + single[whole:]  # (record index, opened stream), decoded alone
     if whole:
         group = [s for _, s in single[:whole]]
         words, freqs, values = (np.concatenate([s[j] for s in group]) for j in (4, 2, 1))
@@ -189,13 +191,32 @@ def rans_decode_many(bufs, *, backend: str = "auto") -> list[np.ndarray]:
         Ps = np.array([s[5] for s in group], dtype=np.int64)
         res = np.empty(int(oo[-1]), dtype=np.int64)
         ok = np.zeros(whole // 4, dtype=np.bool_)
-        _decode4_kernel(words, wo, freqs.astype(np.uint64), fo, values, vo, Ps, ns, res, oo, ok)
-        for j, (i, s) in enumerate(single[:whole]):
-            # a group that fails holds a corrupt stream: each of its four alone raises its own error
-            out[i] = res[oo[j]:oo[j + 1]] if ok[j // 4] else _decode_one(s, fast)
-    for i, s in single[whole:]:
-        out[i] = _decode_one(s, fast)
+        freqs = freqs.astype(np.uint64)
+        # the groups in runs of about equal symbols, one job each, beside the other streams
+        cuts = np.searchsorted(oo[4::4], np.linspace(0, oo[-1], min(len(ok), 4 * _threads(threads)) + 1)[1:-1])
+        bounds = [0, *sorted(set(int(c) + 1 for c in cuts)), len(ok)]
+        jobs += [(None, (a, b)) for a, b in zip(bounds, bounds[1:]) if a < b]  # groups a..b-1
+
+    def run(job):
+        i, s = job
+        if i is not None:
+            return _decode_one(s, fast)
+        _decode4_kernel(words, wo, freqs, fo, values, vo, Ps, ns, res, oo, ok, s[0], s[1])
+        return None
+
+    for (i, _), got in zip(jobs, thread_map(run, jobs, threads)):
+        if i is not None:
+            out[i] = got
+    for j, (i, s) in enumerate(single[:whole]):
+        # a group that fails holds a corrupt stream: each of its four alone raises its own error
+        out[i] = res[oo[j]:oo[j + 1]] if ok[j // 4] else _decode_one(s, fast)
     return out
+
+
+def _threads(threads: int | None) -> int:
+    from ..parallel import default_threads
+
+    return default_threads() if threads is None else max(1, int(threads))
 
 
 def _open(buf):
@@ -585,11 +606,12 @@ if HAVE_NUMBA:
         return x, pos
 
     @_numba.njit(cache=True, nogil=True)
-    def _decode4_kernel(words, wo, freqs, fo, values, vo, Ps, ns, out, oo, ok):  # pragma: no cover - compiled
+    def _decode4_kernel(words, wo, freqs, fo, values, vo, Ps, ns, out, oo, ok, g0, g1):  # pragma: no cover
         """Single-lane streams four at a time (stream j: words[wo[j]:wo[j+1]], freqs, values and
-        out likewise, P Ps[j], ns[j] symbols): one symbol of each in turn while all four have one,
-        then each to its end. ok[g]: _decode_kernel's check of all four streams of group g."""
-        for g in range(ok.size):
+        out likewise, P Ps[j], ns[j] symbols), groups g0..g1-1 (group g: streams 4g..4g+3): one
+        symbol of each in turn while all four have one, then each to its end. ok[g]:
+        _decode_kernel's check of all four streams of group g."""
+        for g in range(g0, g1):
             j = 4 * g
             w0, w1, w2, w3 = words[wo[j]:wo[j + 1]], words[wo[j + 1]:wo[j + 2]], \
                 words[wo[j + 2]:wo[j + 3]], words[wo[j + 3]:wo[j + 4]]
