@@ -168,7 +168,7 @@ def rans_decode_many(bufs, *, backend: str = "auto", threads: int | None = None)
     chain of dependent loads and multiplies; four streams' chains overlap on one core (a restore's
     low-entropy streams are mostly single-lane: too short a payload for more lanes). ``threads``:
     the groups of four and the other streams spread over threads (default: torch's count)."""
-    from ..parallel import thread_map
+    from ..parallel import default_threads, thread_map
 
     fast = _pick(backend)
     out: list = [None] * len(bufs)
@@ -193,7 +193,8 @@ def rans_decode_many(bufs, *, backend: str = "auto", threads: int | None = None)
         ok = np.zeros(whole // 4, dtype=np.bool_)
         freqs = freqs.astype(np.uint64)
         # the groups in runs of about equal symbols, one job each, beside the other streams
-        cuts = np.searchsorted(oo[4::4], np.linspace(0, oo[-1], min(len(ok), 4 * _threads(threads)) + 1)[1:-1])
+        runs = min(len(ok), 4 * (default_threads() if threads is None else max(1, int(threads))))
+        cuts = np.searchsorted(oo[4::4], np.linspace(0, oo[-1], runs + 1)[1:-1])
         bounds = [0, *sorted(set(int(c) + 1 for c in cuts)), len(ok)]
         jobs += [(None, (a, b)) for a, b in zip(bounds, bounds[1:]) if a < b]  # groups a..b-1
 
@@ -211,12 +212,6 @@ def rans_decode_many(bufs, *, backend: str = "auto", threads: int | None = None)
         # a group that fails holds a corrupt stream: each of its four alone raises its own error
         out[i] = res[oo[j]:oo[j + 1]] if ok[j // 4] else _decode_one(s, fast)
     return out
-
-
-def _threads(threads: int | None) -> int:
-    from ..parallel import default_threads
-
-    return default_threads() if threads is None else max(1, int(threads))
 
 
 def _open(buf):
