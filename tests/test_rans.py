@@ -193,7 +193,7 @@ def test_decode_many_reports_a_corrupt_stream_in_a_group(backend):
     assert [a.tolist() for a in R.rans_decode_many(good, backend=backend)] == [R.rans_decode(b).tolist() for b in good]
 
 
-def test_codes_decoded_ahead_are_the_codes(tmp_path):
+def test_codes_decoded_ahead_are_the_codes():
     """entropy.decode_symbols_many: the order-0 rANS streams within the budget decoded ahead, the
     rest (RLE, another coder, past the budget) left to decode_codes; decode_codes given them
     returns what it decodes itself; one damaged buffer and nothing is decoded ahead."""
