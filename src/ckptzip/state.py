@@ -130,9 +130,9 @@ def on_host(flat: FlatState) -> FlatState:
     freed after the save: torch's page-locked host cache copied GPT-2 124M's state 35x faster but kept
     1.66x its size locked between saves (blocks rounded up to powers of two); the async engine stages
     through page-locked memory of its exact size."""
-    if all(t.is_cpu for t in flat.tensors.values()):  # ~0.1 us a tensor (.device builds an object)
+    copied = frozenset(n for n, t in flat.tensors.items() if not t.is_cpu)  # is_cpu, not .device: no object
+    if not copied:
         return flat
-    copied = frozenset(n for n, t in flat.tensors.items() if not t.is_cpu)
     return FlatState({n: host(t) for n, t in flat.tensors.items()}, flat.records, flat.skeleton, flat.extra, copied)
 
 

@@ -395,7 +395,7 @@ class QuantizingMethod(Method):
             bases = {} if digest is None else basestate.require(ctx.base, str(digest), ctx.step).tensors
         out: dict[str, torch.Tensor] = {}
         codes_w, moment_records, groups = {}, {}, {}
-        qrecord.predecode(encoded, [n for n in records if not is_exact(encoded, n)])
+        qrecord.predecode(encoded, records)  # the quantized ones: exact records carry no n_levels
         for name, rec in records.items():
             if is_exact(encoded, name):
                 out[name] = decode_exact(encoded, name, rec, prev.exact.get(name) if prev else None, groups)
