@@ -234,7 +234,7 @@ def test_pipeline_level_count_change_uses_max(real_codes):
         buf = encode_codes(prev, cur, 32, rearrange=rearrange, rle=rle)
         h = read_codes_header(buf)
         assert h == {"n": cur.numel(), "n_levels": 32, "delta": True, "rearrange": rearrange,
-                     "rle": rle, "coder": "huffman"}
+                     "rle": rle, "tuples": False, "coder": "huffman"}
         assert torch.equal(decode_codes(buf, prev, 32), cur)
 
 

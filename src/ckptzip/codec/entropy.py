@@ -22,14 +22,16 @@ The code pipeline (quantization-aware delta, Inshrinkerator §6)::
     buf  = encode_codes(prev_codes, cur_codes, n_levels, rearrange=True, rle=True, coder="huffman")
     cur  = decode_codes(buf, prev_codes)            # prev_codes=None for a keyframe
 
-    keyframe (prev is None):   codes --------------------------------> [RLE] -> coder
-    delta:                     D = (prev - cur) mod B -> [rearrange] -> [RLE] -> coder
+    keyframe (prev is None):   codes --------------------------------> [pack | RLE] -> coder
+    delta:                     D = (prev - cur) mod B -> [rearrange] -> [pack | RLE] -> coder
+
+``pack`` (``tuples=True``, never with RLE): the stream's codes ``tuples.size(B)`` to a symbol.
 
 ``encode_codes`` buffer, byte by byte::
 
     b"CQ" 0x01            magic + version
-    flags (u8)            bit 0 delta, bit 1 rearranged, bit 2 RLE, bits 4-7 coder id
-                          (0 huffman, 1 ans, 2 zstd, 3 rans)
+    flags (u8)            bit 0 delta, bit 1 rearranged, bit 2 RLE, bit 3 packed (tuples.py),
+                          bits 4-7 coder id (0 huffman, 1 ans, 2 zstd, 3 rans)
     n (varint)            number of codes
     n_levels (varint)     B of the cyclic delta (codes lie in [0, B))
     crc32 (u32 LE)        of the bytes above
@@ -53,6 +55,7 @@ from ..errors import CorruptCheckpointError
 from ..tensorbytes import INT_DTYPES, to_numpy_bits
 from . import delta as _delta
 from . import rle as _rle
+from . import tuples as _tuples
 from .frames import zstd_compress, zstd_decompress
 from .streamframe import ByteReader, as_symbols, seal, unseal, write_varint
 
@@ -72,7 +75,7 @@ _CODER_IDS = {"huffman": 0, "ans": 1, "zstd": 2, "rans": 3}   # stored in the co
 _CODER_NAMES = {v: k for k, v in _CODER_IDS.items()}
 
 _CODES_MAGIC = b"CQ\x01"
-_F_DELTA, _F_REARRANGE, _F_RLE = 1, 2, 4
+_F_DELTA, _F_REARRANGE, _F_RLE, _F_TUPLES = 1, 2, 4, 8
 _ZSTD_MAGIC = b"ZS\x01"
 _ZSTD_WIDTHS = {1: np.dtype("i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
 
@@ -127,16 +130,19 @@ def zstd_decode(buf) -> np.ndarray:
 
 # =========================================================================== code pipeline
 def encode_codes(prev_codes: torch.Tensor | None, cur_codes: torch.Tensor, n_levels: int, *,
-                 rearrange: bool = True, rle: bool = True, coder: str = "huffman") -> bytes:
+                 rearrange: bool = True, rle: bool = True, coder: str = "huffman", tuples: bool = False) -> bytes:
     """Encode the integer codes of one tensor, against the previous checkpoint's codes if given.
 
     ``n_levels``: B, the cyclic buffer size; pass max(levels of prev, levels of cur). Codes may
     be of any integer dtype (narrow codes are not widened: same bytes) and live on any device;
     the delta, rearrangement and RLE run there, the entropy coder on CPU.
     ``rearrange`` is ignored for a keyframe (there is no source bucket to group by).
+    ``tuples``: the stream packed ``tuples.size(B)`` codes to a symbol (B of 2 to 5, without RLE).
     """
     if coder not in _CODER_IDS:
         raise ValueError(f"unknown coder {coder!r}; choose one of {sorted(_CODER_IDS)}")
+    if tuples and (rle or _tuples.size(int(n_levels)) < 2):
+        raise ValueError(f"tuples=True packs the codes of 2 to 5 levels without RLE, got n_levels={n_levels}, rle={rle}")
     if not isinstance(cur_codes, torch.Tensor):
         raise TypeError(f"cur_codes must be a torch.Tensor, got {type(cur_codes).__name__}")
     cur = cur_codes.reshape(-1)
@@ -156,6 +162,9 @@ def encode_codes(prev_codes: torch.Tensor | None, cur_codes: torch.Tensor, n_lev
     if rle:
         stream = _rle.rle_encode(stream)
         flags |= _F_RLE
+    if tuples:
+        stream = _tuples.pack(stream, int(n_levels))
+        flags |= _F_TUPLES
     return _codes_header(flags | _CODER_IDS[coder] << 4, cur.numel(), n_levels) + encode_stream(coder, stream)
 
 
@@ -173,30 +182,41 @@ def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, in
     same bytes; the order-0 rANS streams among them (coder ``"rans"`` without RLE or a rearranged
     delta: what ``coder="auto"`` picks for most tensors) coded a batch of up to BATCH_CODES codes of
     one code dtype per kernel call (``rans.rans_encode_codes``, which reads them in place) instead
-    of one Python pipeline per tensor; a larger tensor is a batch of its own."""
+    of one Python pipeline per tensor; a larger tensor is a batch of its own. Packed streams
+    (``tuples``, keyframe-style) are packed here and batched as uint8 symbols."""
     from . import rans
 
     out: list[bytes | None] = [None] * len(jobs)
     kinds: dict[tuple, list[list[int]]] = {}
-    filled: dict[tuple, int] = {}  # codes in each kind's last batch
+    filled: dict[tuple, int] = {}  # symbols in each kind's last batch
+    syms: dict[int, np.ndarray] = {}  # what each batched job codes: its codes, or their tuples
     for i, (prev, cur, n_levels, options) in enumerate(jobs):
-        if _batchable(prev, cur, n_levels, options) and rans.HAVE_NUMBA:
-            kind = (cur.dtype, None if prev is None else prev.dtype)
-            batches = kinds.setdefault(kind, [[]])
-            if batches[-1] and filled[kind] + cur.numel() > BATCH_CODES:
-                batches.append([])
-                filled[kind] = 0
-            batches[-1].append(i)
-            filled[kind] = filled.get(kind, 0) + cur.numel()
+        if not (_batchable(prev, cur, n_levels, options) and rans.HAVE_NUMBA):
+            continue
+        s = to_numpy_bits(cur)  # a view of the usual flat CPU codes
+        if options.get("tuples", False):
+            try:
+                s = _tuples.pack(s, int(n_levels))
+            except ValueError:  # a code outside [0, B): encode_codes below says so
+                continue
+        syms[i] = s
+        kind = (s.dtype, None if prev is None else prev.dtype)
+        batches = kinds.setdefault(kind, [[]])
+        if batches[-1] and filled[kind] + s.size > BATCH_CODES:
+            batches.append([])
+            filled[kind] = 0
+        batches[-1].append(i)
+        filled[kind] = filled.get(kind, 0) + s.size
     for (_, prev_dtype), members in ((k, m) for k, batches in kinds.items() for m in batches):
-        curs = [to_numpy_bits(jobs[i][1]) for i in members]  # views of the usual flat CPU codes
         prevs = [] if prev_dtype is None else [to_numpy_bits(jobs[i][0]) for i in members]
-        streams = rans.rans_encode_codes(curs, [jobs[i][2] for i in members], prevs,
+        packed = [jobs[i][3].get("tuples", False) for i in members]  # keyframe-style only (_batchable)
+        levels = [jobs[i][2] ** _tuples.size(jobs[i][2]) if p else jobs[i][2] for i, p in zip(members, packed)]
+        streams = rans.rans_encode_codes([syms[i] for i in members], levels, prevs,
                                          np.full(len(members), bool(prevs)))
-        for i, c, stream in zip(members, curs, streams):
+        for i, p, stream in zip(members, packed, streams):
             if stream is not None:  # else: encode_codes below says what is wrong, or takes the general path
-                flags = (_F_DELTA if prevs else 0) | _CODER_IDS["rans"] << 4
-                out[i] = _codes_header(flags, c.size, jobs[i][2]) + stream
+                flags = (_F_DELTA if prevs else 0) | (_F_TUPLES if p else 0) | _CODER_IDS["rans"] << 4
+                out[i] = _codes_header(flags, jobs[i][1].numel(), jobs[i][2]) + stream
     return [b if b is not None else encode_codes(prev, cur, n_levels, **options)
             for b, (prev, cur, n_levels, options) in zip(out, jobs)]
 
@@ -208,6 +228,9 @@ def _batchable(prev, cur, n_levels, options) -> bool:
     """Whether encode_codes of this job is the plain order-0 rANS stream of valid-looking codes."""
     if options.get("coder", "huffman") != "rans" or options.get("rle", True):
         return False
+    if options.get("tuples", False) and (prev is not None or not isinstance(n_levels, (int, np.integer))
+                                         or _tuples.size(int(n_levels)) < 2):
+        return False  # encode_codes packs a delta's stream, or refuses
     if prev is not None and (options.get("rearrange", True) or not isinstance(prev, torch.Tensor)
                              or prev.dtype not in INT_DTYPES or prev.numel() != cur.numel()):
         return False
@@ -243,9 +266,11 @@ def decode_codes(buf, prev_codes: torch.Tensor | None = None, n_levels: int | No
     stream = torch.from_numpy(symbols).to(device)
     if h["rle"]:
         stream = _rle.rle_decode(stream, n)
+    elif h["tuples"]:
+        stream = _tuples.unpack(stream, n, levels)  # every code in [0, levels), or it raised
     elif stream.numel() != n:
         raise CorruptCheckpointError(f"code stream holds {stream.numel()} symbols, header says {n}")
-    lo, hi = (int(v) for v in torch.aminmax(stream)) if n else (0, 0)
+    lo, hi = (int(v) for v in torch.aminmax(stream)) if n and not h["tuples"] else (0, 0)
     if lo < 0 or hi >= levels:
         raise CorruptCheckpointError(f"decoded codes fall outside [0, {levels})")
     if not h["delta"]:
@@ -296,10 +321,11 @@ def _split_codes(buf) -> tuple[dict, memoryview]:
     if zlib.crc32(mv[:end]) != crc:
         raise CorruptCheckpointError("code buffer header fails its CRC-32")
     coder_id = flags >> 4
-    if coder_id not in _CODER_NAMES or flags & 8 or levels < 1:
+    packed = flags & _F_TUPLES and (flags & _F_RLE or _tuples.size(levels) < 2)
+    if coder_id not in _CODER_NAMES or packed or levels < 1:
         raise CorruptCheckpointError(f"code buffer header has invalid flags {flags:#x} or n_levels {levels}")
     return ({"n": n, "n_levels": levels, "delta": bool(flags & _F_DELTA),
-             "rearrange": bool(flags & _F_REARRANGE), "rle": bool(flags & _F_RLE),
+             "rearrange": bool(flags & _F_REARRANGE), "rle": bool(flags & _F_RLE), "tuples": bool(flags & _F_TUPLES),
              "coder": _CODER_NAMES[coder_id]}, r.rest())
 
 

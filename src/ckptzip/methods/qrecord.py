@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codec import stages as S
+from ..codec import tuples
 from ..codec.entropy import decode_codes, decode_symbols_many, encode_codes_many
 from ..codec.rans import HAVE_NUMBA
 from ..errors import CorruptCheckpointError
@@ -55,13 +56,15 @@ class RecordBatch:
         if residual or (prev is not None and prev.codes.numel() != q.numel):
             prev = None
         B = max(q.n_levels, prev.n_levels) if prev is not None else q.n_levels  # levels may change between saves
+        packed = False
         if coder == "auto":
             coder, rearrange, rle = ORDER0_CODER, False, False
+            packed = prev is None and tuples.size(B) > 1 and q.numel >= tuples.MIN_CODES
         # narrow codes (uint8) go in as they are: the delta and coder kernels widen value by value
         self._jobs.append((prev.codes if prev is not None else None, q.codes, B,
-                           {"rearrange": rearrange, "rle": rle, "coder": coder}))
+                           {"rearrange": rearrange, "rle": rle, "coder": coder, "tuples": packed}))
         stages = ([S.CYCLIC_DELTA] + ([S.REARRANGE] if rearrange else []) if prev is not None else []) + \
-            ([S.RLE] if rle else []) + [S.CODER_STAGES[coder]]
+            ([S.RLE] if rle else []) + ([S.TUPLE] if packed else []) + [S.CODER_STAGES[coder]]
         pipeline = [method] + S.pipeline(*([S.RESIDUAL] if residual else []), *stages)
         side = {k: host(v) for k, v in q.side.items()}
         rec_meta = {"n_levels": q.n_levels, "delta": prev is not None,

@@ -1,0 +1,129 @@
+"""Code streams of 2-5 levels packed a few codes to a symbol (stage tuple/1) against plain, paired (issue 15).
+
+The grid moment codec's direction codes (Adam's exp_avg: 3 levels, ~90 % of them the pruned
+middle) are a third of a chain's codes and took the rANS coder one state update each. Packed three
+to a symbol (``codec/tuples.py``) they take a third of the updates. This script saves the same
+chain with packing (the writer's default) and without it (``tuples.MIN_CODES`` past every stream:
+the previous writer's bytes), in turn, then restores its last step each way, and times zstd-3
+over the same checkpoints' raw bytes beside them. Thread CPU time, ``torch.set_num_threads(1)``;
+the first repetition warms up. The two chains' restores are checked equal, bit for bit.
+
+``--states FILE``: a ``torch.save``d list of training states to use instead of the small chain
+(e.g. GPT-2 124M's, from bench/speed.py's ``gpt2_states``).
+
+Run:  .venv/bin/python bench/tuples.py [--reps 20] [--width 96 --layers 4] [--states FILE --reps 2]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+sys.path.insert(1, HERE)
+
+from compare import md_table  # noqa: E402
+from speed import ZSTD_LEVEL, raw_bytes, small_states  # noqa: E402
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--width", type=int, default=96)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--states", default=None, help="a torch.save'd list of states (default: the small chain)")
+    args = p.parse_args(argv)
+
+    import fsspec
+    import zstandard
+
+    from ckptzip.chain import CheckpointChain
+    from ckptzip.codec import tuples
+
+    states = torch.load(args.states, weights_only=False) if args.states else \
+        small_states(6, 8, n_embd=args.width, n_layer=args.layers)
+    torch.set_num_threads(1)
+    packing = tuples.MIN_CODES
+    zc, dz = zstandard.ZstdCompressor(level=ZSTD_LEVEL), zstandard.ZstdDecompressor()
+    raws = [raw_bytes(s) for s in states]
+    frames = [zc.compress(r) for r in raws]
+
+    def run(packed: bool, rep: int):
+        """(save seconds, restore seconds, bytes, restored state) of one chain."""
+        tuples.MIN_CODES = packing if packed else 1 << 62
+        url = f"memory://tuples-{os.getpid()}-{rep}-{packed}"
+        try:
+            chain = CheckpointChain(url, "dynaquant")
+            save, nbytes = 0.0, 0
+            for i, s in enumerate(states):
+                t = time.thread_time()
+                nbytes += chain.save(s, i + 1).nbytes
+                save += time.thread_time() - t
+            t = time.thread_time()
+            got = CheckpointChain(url).restore(len(states))
+            return save, time.thread_time() - t, nbytes, got
+        finally:
+            tuples.MIN_CODES = packing
+            fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+
+    times = {k: [] for k in ("save packed", "save plain", "restore packed", "restore plain", "zstd-3", "unzstd-3")}
+    nbytes = {}
+    for rep in range(args.reps + 1):
+        got = {}
+        for packed in ((True, False) if rep % 2 else (False, True)):
+            save, restore, nbytes[packed], got[packed] = run(packed, rep)
+            if rep:
+                times[f"save {'packed' if packed else 'plain'}"].append(save)
+                times[f"restore {'packed' if packed else 'plain'}"].append(restore)
+        t = time.thread_time()
+        for r in raws:
+            zc.compress(r)
+        t2 = time.thread_time()
+        for f in frames:
+            dz.decompress(f)
+        if rep:
+            times["zstd-3"].append(t2 - t)
+            times["unzstd-3"].append(time.thread_time() - t2)
+        a, b = got[True].flat.tensors, got[False].flat.tensors
+        assert a.keys() == b.keys() and all(torch.equal(a[n].reshape(-1).view(torch.uint8),
+                                                        b[n].reshape(-1).view(torch.uint8)) for n in a), "restores differ"
+    z, uz = statistics.median(times["zstd-3"]), statistics.median(times["unzstd-3"])
+    rows = []
+    for what in ("save", "restore"):
+        for kind in ("packed", "plain"):
+            v = times[f"{what} {kind}"]
+            base = z if what == "save" else uz
+            rows.append([f"{what}, {kind}", f"{1e3 * statistics.median(v):.1f}", f"{1e3 * min(v):.1f}",
+                         f"{statistics.median(v) / base:.2f}x"])
+    n_params = sum(t.numel() for n, t in _flat(states[0]) if n.startswith("model"))
+    print(f"\n### dynaquant, {len(states)} checkpoints ({n_params / 1e6:.2f}M parameters), {args.reps} paired "
+          f"repetitions; restore: step {len(states)} from its keyframe\n")
+    print(md_table(["chain", "median ms", "min ms", "x zstd-3 (save) / its decompress (restore)"], rows))
+    for what in ("save", "restore"):
+        d = [x - y for x, y in zip(times[f"{what} plain"], times[f"{what} packed"])]
+        se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+        print(f"\n{what}: packing saves {1e3 * statistics.mean(d):.1f} +- {1e3 * se:.1f} ms a chain (paired), "
+              f"{statistics.median(times[f'{what} packed']) / statistics.median(times[f'{what} plain']):.3f}x the time")
+    print(f"\nbytes: packed {nbytes[True]:,}, plain {nbytes[False]:,} ({100 * (nbytes[True] / nbytes[False] - 1):+.2f} %); "
+          f"zstd-3 {sum(len(f) for f in frames):,} ms {1e3 * z:.1f}")
+
+
+def _flat(obj, prefix=""):
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _flat(v, f"{prefix}/{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _flat(v, f"{prefix}/{i}")
+
+
+if __name__ == "__main__":
+    main()
