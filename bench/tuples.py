@@ -1,17 +1,20 @@
-"""Code streams of 2-5 levels packed a few codes to a symbol (stage tuple/1) against plain, paired (issue 15).
+"""Code streams packed a few codes to a symbol (stage tuple/1) against plain, paired (issue 15).
 
-The grid moment codec's direction codes (Adam's exp_avg: 3 levels, ~90 % of them the pruned
-middle) are a third of a chain's codes and took the rANS coder one state update each. Packed three
-to a symbol (``codec/tuples.py``) they take a third of the updates. This script saves the same
-chain with packing (the writer's default) and without it (``tuples.MIN_CODES`` past every stream:
-the previous writer's bytes), in turn, then restores its last step each way, and times zstd-3
-over the same checkpoints' raw bytes beside them. Thread CPU time, ``torch.set_num_threads(1)``;
-the first repetition warms up. The two chains' restores are checked equal, bit for bit.
+An order-0 coder spends one state update a symbol. The grid moment codec's direction codes (Adam's
+exp_avg: 3 levels, ~90 % of them the pruned middle) are a third of a chain's codes; packed three to
+a symbol (``codec/tuples.py``) they take a third of the updates, and long cyclic-delta streams of
+6-32 levels (weights, exp_avg_sq) half. This script saves the same chain with packing (the
+writer's default floors, or ``--small-codes`` / ``--paired-codes``) and without it (the floors
+``tuples.SMALL_CODES`` and ``PAIRED_CODES`` past every stream: the previous writer's bytes), in
+turn, then restores its last step each way, and times zstd-3 over the same checkpoints' raw bytes
+beside them. Thread CPU time, ``torch.set_num_threads(1)``; the first repetition warms up. The two
+chains' restores are checked equal, bit for bit.
 
-``--states FILE``: a ``torch.save``d list of training states to use instead of the small chain
-(e.g. GPT-2 124M's, from bench/speed.py's ``gpt2_states``).
+``--gpt2 STEPS``: GPT-2 124M from config instead (bench/speed.py's ``gpt2_states``: two checkpoints
+STEPS AdamW steps apart); ``--states FILE``: a ``torch.save``d list of training states.
 
-Run:  .venv/bin/python bench/tuples.py [--reps 20] [--width 96 --layers 4] [--states FILE --reps 2]
+Run:  .venv/bin/python bench/tuples.py [--reps 20] [--width 96 --layers 4] [--paired-codes 4096]
+                                       [--gpt2 2 --reps 2] [--states FILE]
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 sys.path.insert(1, HERE)
 
 from compare import md_table  # noqa: E402
-from speed import ZSTD_LEVEL, raw_bytes, small_states  # noqa: E402
+from speed import ZSTD_LEVEL, gpt2_states, raw_bytes, small_states  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -37,7 +40,10 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--width", type=int, default=96)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--gpt2", type=int, default=0, help="GPT-2 124M, checkpoints this many steps apart")
     p.add_argument("--states", default=None, help="a torch.save'd list of states (default: the small chain)")
+    p.add_argument("--small-codes", type=int, default=None, help="tuples.SMALL_CODES (B <= 5) for the packed chain")
+    p.add_argument("--paired-codes", type=int, default=None, help="tuples.PAIRED_CODES (B = 6..32) for the packed chain")
     args = p.parse_args(argv)
 
     import fsspec
@@ -46,17 +52,18 @@ def main(argv=None) -> None:
     from ckptzip.chain import CheckpointChain
     from ckptzip.codec import tuples
 
-    states = torch.load(args.states, weights_only=False) if args.states else \
-        small_states(6, 8, n_embd=args.width, n_layer=args.layers)
+    states = torch.load(args.states, weights_only=False) if args.states else gpt2_states(args.gpt2) if args.gpt2 \
+        else small_states(6, 8, n_embd=args.width, n_layer=args.layers)
     torch.set_num_threads(1)
-    packing = tuples.MIN_CODES
+    packing = (args.small_codes or tuples.SMALL_CODES, args.paired_codes or tuples.PAIRED_CODES)
+    defaults = tuples.SMALL_CODES, tuples.PAIRED_CODES
     zc, dz = zstandard.ZstdCompressor(level=ZSTD_LEVEL), zstandard.ZstdDecompressor()
     raws = [raw_bytes(s) for s in states]
     frames = [zc.compress(r) for r in raws]
 
     def run(packed: bool, rep: int):
         """(save seconds, restore seconds, bytes, restored state) of one chain."""
-        tuples.MIN_CODES = packing if packed else 1 << 62
+        tuples.SMALL_CODES, tuples.PAIRED_CODES = packing if packed else (1 << 62, 1 << 62)
         url = f"memory://tuples-{os.getpid()}-{rep}-{packed}"
         try:
             chain = CheckpointChain(url, "dynaquant")
@@ -69,7 +76,7 @@ def main(argv=None) -> None:
             got = CheckpointChain(url).restore(len(states))
             return save, time.thread_time() - t, nbytes, got
         finally:
-            tuples.MIN_CODES = packing
+            tuples.SMALL_CODES, tuples.PAIRED_CODES = defaults
             fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
 
     times = {k: [] for k in ("save packed", "save plain", "restore packed", "restore plain", "zstd-3", "unzstd-3")}
@@ -103,7 +110,8 @@ def main(argv=None) -> None:
                          f"{statistics.median(v) / base:.2f}x"])
     n_params = sum(t.numel() for n, t in _flat(states[0]) if n.startswith("model"))
     print(f"\n### dynaquant, {len(states)} checkpoints ({n_params / 1e6:.2f}M parameters), {args.reps} paired "
-          f"repetitions; restore: step {len(states)} from its keyframe\n")
+          f"repetitions; restore: step {len(states)} from its keyframe; packed from {packing[0]} codes (B <= 5), "
+          f"{packing[1]} (B = 6..32)\n")
     print(md_table(["chain", "median ms", "min ms", "x zstd-3 (save) / its decompress (restore)"], rows))
     for what in ("save", "restore"):
         d = [x - y for x, y in zip(times[f"{what} plain"], times[f"{what} packed"])]

@@ -26,7 +26,7 @@ _EXACT = ["exact/1, bytegroup/1", "exact/1, raw/1"]
 _EXACT_Q = _EXACT + ["exact/1, group/1, bytegroup/1"]  # the quantizing methods group small exact records (M.1)
 _EXACT_DELTAS = _EXACT_Q + ["exact/1, same/1"]  # the quantizing template's delta files (M.1)
 _EXCP_CODES = ["excp-codes/2, {ans|huffman}/1", "excp-codes/2, bitpack/1, {xz|zstd-frame}/1"]
-_GRID = ["moment-grid/1, cyclic-delta/1?, {ans|rans}/1", "moment-grid/1, tuple/1, {ans|rans}/1",  # M.10
+_GRID = ["moment-grid/1, cyclic-delta/1?, tuple/1?, {ans|rans}/1",  # M.10
          "moment-direction/1, tuple/1?, {ans|rans}/1", "moment-direction/1"]
 _GRID_KEYFRAMES = ["moment-grid/1, tuple/1?, {ans|rans}/1", "moment-direction/1, tuple/1?, {ans|rans}/1",
                    "moment-direction/1"]
@@ -35,7 +35,7 @@ DOCUMENTED: dict[str, list[str]] = {
     "dynaquant": _EXACT_DELTAS + ["dynaquant/1, rle/1?, {huffman|ans|rans|zstd-ints}/1",
                                   "dynaquant/1, cyclic-delta/1, rearrange/1?, rle/1?, {huffman|ans|rans|zstd-ints}/1",
                                   "dynaquant/1, residual/1, rle/1?, {huffman|ans|rans|zstd-ints}/1",
-                                  "dynaquant/1, residual/1?, tuple/1, {ans|rans}/1"] + _GRID,
+                                  "dynaquant/1, {residual|cyclic-delta}/1?, tuple/1, {ans|rans}/1"] + _GRID,
     "qd": _EXACT_DELTAS + ["qd/1, huffman/1", "qd/1, cyclic-delta/1, huffman/1", "qd/1, residual/1, huffman/1"] + _GRID,
     "cnr": _EXACT_Q + ["cnr/1, huffman/1"] + _GRID_KEYFRAMES,
     "gobo": _EXACT_Q + ["gobo/1, huffman/1"] + _GRID_KEYFRAMES,

@@ -16,22 +16,29 @@ from ckptzip.format import decode_container
 numba_only = pytest.mark.skipif(tuples._numba is None, reason="numba not installed")
 
 
-def test_codes_per_symbol_keep_the_alphabet_within_32():
-    assert [tuples.size(B) for B in range(1, 8)] == [1, 5, 3, 2, 2, 1, 1]
+def test_codes_per_symbol():
+    assert [tuples.size(B) for B in range(1, 8)] == [1, 5, 3, 2, 2, 2, 2]  # B**g <= 32, else pairs
+    assert tuples.size(32) == 2 and tuples.size(33) == 1
 
 
 @numba_only
-@pytest.mark.parametrize("B", [2, 3, 4, 5])
+@pytest.mark.parametrize("B", [2, 3, 4, 5, 17, 32])
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int64])
 def test_kernels_match_the_torch_reference(B, dtype):
     g = tuples.size(B)
     for n in (0, 1, g - 1, g, g + 1, 4099):
         codes = torch.randint(0, B, (n,), generator=torch.Generator().manual_seed(n), dtype=torch.int64).to(dtype)
         fast, ref = tuples.pack(codes, B, backend="numba"), tuples.pack(codes, B, backend="torch")
-        assert fast.dtype == np.uint8 and np.array_equal(fast, ref) and fast.size == -(-n // g)
+        assert fast.dtype == (np.uint8 if B ** g <= 256 else np.uint16)
+        assert fast.dtype == ref.dtype and np.array_equal(fast, ref) and fast.size == -(-n // g)
         assert int(fast.max(initial=0)) < B ** g
         for backend in ("numba", "torch"):
             assert torch.equal(tuples.unpack(fast, n, B, backend=backend), codes.long())
+        prev = torch.randint(0, B, (n,), generator=torch.Generator().manual_seed(n + 1)).to(dtype)
+        delta = torch.remainder(prev.long() - codes.long(), B)
+        fast = tuples.pack(codes, B, prev=prev, backend="numba")
+        assert np.array_equal(fast, tuples.pack(codes, B, prev=prev, backend="torch"))
+        assert np.array_equal(fast, tuples.pack(delta, B))
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
@@ -41,8 +48,10 @@ def test_pack_refuses_a_code_outside_the_alphabet(backend):
         codes[57] = bad
         with pytest.raises(ValueError, match=r"outside \[0, 3\)"):
             tuples.pack(codes, 3, backend=backend)
+        with pytest.raises(ValueError, match=r"outside \[0, 3\)"):
+            tuples.pack(torch.ones(100, dtype=torch.int16), 3, prev=codes, backend=backend)  # a bad parent code
     with pytest.raises(ValueError, match="not packed"):
-        tuples.pack(torch.zeros(10, dtype=torch.uint8), 6, backend=backend)
+        tuples.pack(torch.zeros(10, dtype=torch.uint8), 33, backend=backend)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
@@ -56,7 +65,7 @@ def test_unpack_names_a_damaged_stream(backend):
     with pytest.raises(CorruptCheckpointError, match="pads its last symbol"):
         tuples.unpack(np.array([5, 3 + 9], dtype=np.int64), 5, 3, backend=backend)  # pad digit 1
     with pytest.raises(CorruptCheckpointError, match="never packed"):
-        tuples.unpack(good, 5, 6, backend=backend)
+        tuples.unpack(good, 5, 33, backend=backend)
 
 
 def _direction_like(n: int, seed: int = 0) -> torch.Tensor:
@@ -91,17 +100,24 @@ def test_a_delta_and_every_coder_pack_through_the_general_path():
         buf = entropy.encode_codes(prev, cur, 3, rearrange=False, rle=False, coder=coder, tuples=True)
         assert entropy.read_codes_header(buf)["tuples"]
         assert torch.equal(entropy.decode_codes(buf, prev), cur.long())
-    many = entropy.encode_codes_many([(prev, cur, 3, {"rle": False, "coder": "rans", "rearrange": False,
-                                                      "tuples": True})])
+    options = {"rle": False, "coder": "rans", "rearrange": False, "tuples": True}
+    wide_prev, wide_cur = (torch.randint(0, 18, (6000,), generator=torch.Generator().manual_seed(s)) for s in (3, 4))
+    many = entropy.encode_codes_many([(prev, cur, 3, options), (wide_prev, wide_cur, 18, options),
+                                      (None, wide_cur, 18, options)])
     assert many[0] == entropy.encode_codes(prev, cur, 3, rearrange=False, rle=False, coder="rans", tuples=True)
+    assert many[1] == entropy.encode_codes(wide_prev, wide_cur, 18, rearrange=False, rle=False, coder="rans",
+                                           tuples=True)
+    assert entropy.read_codes_header(many[1])["delta"] and not entropy.read_codes_header(many[2])["delta"]
+    assert torch.equal(entropy.decode_codes(many[1], wide_prev), wide_cur)
+    assert torch.equal(entropy.decode_codes(many[2]), wide_cur)
 
 
 def test_packing_is_refused_with_rle_or_a_large_alphabet():
     codes = torch.zeros(100, dtype=torch.uint8)
     with pytest.raises(ValueError, match="without RLE"):
         entropy.encode_codes(None, codes, 3, rle=True, coder="rans", tuples=True)
-    with pytest.raises(ValueError, match="n_levels=6"):
-        entropy.encode_codes(None, codes, 6, rle=False, coder="rans", tuples=True)
+    with pytest.raises(ValueError, match="n_levels=33"):
+        entropy.encode_codes(None, codes, 33, rle=False, coder="rans", tuples=True)
     bad = codes.clone()
     bad[3] = 3  # outside [0, 3): the batch leaves it to encode_codes, which names it
     with pytest.raises(ValueError, match=r"must lie in \[0, 3\)"):
@@ -129,8 +145,8 @@ def test_the_packed_flag_is_checked_before_decoding():
     assert entropy.decode_codes(_reflagged(buf, coder | 8)).numel() == 300  # the helper changes nothing else
     with pytest.raises(CorruptCheckpointError, match="invalid flags 0x3c"):
         entropy.decode_codes(_reflagged(buf, coder | 8 | 4))  # packed with RLE
-    with pytest.raises(CorruptCheckpointError, match="invalid flags 0x38 or n_levels 6"):
-        entropy.decode_codes(_reflagged(buf, coder | 8, n_levels=6))  # an alphabet never packed
+    with pytest.raises(CorruptCheckpointError, match="invalid flags 0x38 or n_levels 33"):
+        entropy.decode_codes(_reflagged(buf, coder | 8, n_levels=33))  # an alphabet never packed
     with pytest.raises(CorruptCheckpointError, match="holds 100 symbols"):
         entropy.decode_codes(_reflagged(buf, coder))  # the flag cleared: the stream is a third too short
 
@@ -138,22 +154,27 @@ def test_the_packed_flag_is_checked_before_decoding():
 def test_a_chain_with_packed_codes_restores_what_the_unpacked_chain_does(tmp_path, digits_snapshots, monkeypatch):
     model, opt, snaps, _ = digits_snapshots
 
-    def run(root):
+    def run(root, small, paired):
+        monkeypatch.setattr(tuples, "SMALL_CODES", small)
+        monkeypatch.setattr(tuples, "PAIRED_CODES", paired)
         ch = CheckpointChain(root, "dynaquant", keyframe=KeyframePolicy(every=3))
         entries = [ch.save({"model": s.model, "optimizer": s.optimizer}, s.step, model=model, optimizer=opt)
                    for s in snaps[:4]]
         pipes = {tuple(r["pipeline"]) for e in entries
                  for r in decode_container(ch.storage.read(e.file)).manifest["records"].values()}
-        return [ch.load(e.step) for e in entries], pipes, sum(e.nbytes for e in entries)
+        restored = [torch.cat([t.reshape(-1).double() for t in _tensors(ch.load(e.step))]) for e in entries]
+        return restored, pipes, sum(e.nbytes for e in entries)
 
-    packed, pipes, nbytes = run(tmp_path / "packed")
+    default, pipes, nbytes = run(tmp_path / "default", tuples.SMALL_CODES, tuples.PAIRED_CODES)
     assert ("moment-direction/1", "tuple/1", "rans/1") in pipes
-    monkeypatch.setattr(tuples, "MIN_CODES", 1 << 40)  # the writer packs nothing
-    plain, plain_pipes, plain_nbytes = run(tmp_path / "plain")
+    everything, all_pipes, _ = run(tmp_path / "all", 1, 1)  # every delta too: pairs of 6-32 levels
+    assert {("dynaquant/1", "cyclic-delta/1", "tuple/1", "rans/1"),
+            ("moment-grid/1", "cyclic-delta/1", "tuple/1", "rans/1")} <= all_pipes
+    plain, plain_pipes, plain_nbytes = run(tmp_path / "plain", 1 << 40, 1 << 40)  # the writer packs nothing
     assert not any("tuple/1" in p for p in plain_pipes)
     assert nbytes <= plain_nbytes * 1.01
-    flat = [torch.cat([t.reshape(-1).double() for t in _tensors(s)]) for s in packed]
-    assert all(torch.equal(a, torch.cat([t.reshape(-1).double() for t in _tensors(b)])) for a, b in zip(flat, plain))
+    for a, b, c in zip(default, everything, plain):
+        assert torch.equal(a, c) and torch.equal(b, c)  # lossless: the same restores, bit for bit
 
 
 def _tensors(obj):

@@ -137,12 +137,13 @@ def encode_codes(prev_codes: torch.Tensor | None, cur_codes: torch.Tensor, n_lev
     be of any integer dtype (narrow codes are not widened: same bytes) and live on any device;
     the delta, rearrangement and RLE run there, the entropy coder on CPU.
     ``rearrange`` is ignored for a keyframe (there is no source bucket to group by).
-    ``tuples``: the stream packed ``tuples.size(B)`` codes to a symbol (B of 2 to 5, without RLE).
+    ``tuples``: the stream packed ``tuples.size(B)`` codes to a symbol (B of 2 to 32, without RLE).
     """
     if coder not in _CODER_IDS:
         raise ValueError(f"unknown coder {coder!r}; choose one of {sorted(_CODER_IDS)}")
     if tuples and (rle or _tuples.size(int(n_levels)) < 2):
-        raise ValueError(f"tuples=True packs the codes of 2 to 5 levels without RLE, got n_levels={n_levels}, rle={rle}")
+        raise ValueError(f"tuples=True packs the codes of 2 to 32 levels without RLE, got n_levels={n_levels}, "
+                         f"rle={rle}")
     if not isinstance(cur_codes, torch.Tensor):
         raise TypeError(f"cur_codes must be a torch.Tensor, got {type(cur_codes).__name__}")
     cur = cur_codes.reshape(-1)
@@ -183,7 +184,7 @@ def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, in
     delta: what ``coder="auto"`` picks for most tensors) coded a batch of up to BATCH_CODES codes of
     one code dtype per kernel call (``rans.rans_encode_codes``, which reads them in place) instead
     of one Python pipeline per tensor; a larger tensor is a batch of its own. Packed streams
-    (``tuples``, keyframe-style) are packed here and batched as uint8 symbols."""
+    (``tuples``) are packed here, a delta taken on the way, and batched as plain symbols."""
     from . import rans
 
     out: list[bytes | None] = [None] * len(jobs)
@@ -194,11 +195,12 @@ def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, in
         if not (_batchable(prev, cur, n_levels, options) and rans.HAVE_NUMBA):
             continue
         s = to_numpy_bits(cur)  # a view of the usual flat CPU codes
-        if options.get("tuples", False):
+        if options.get("tuples", False):  # packed here, a delta taken on the way: coded as plain symbols
             try:
-                s = _tuples.pack(s, int(n_levels))
+                s = _tuples.pack(s, int(n_levels), prev=None if prev is None else to_numpy_bits(prev))
             except ValueError:  # a code outside [0, B): encode_codes below says so
                 continue
+            prev = None
         syms[i] = s
         kind = (s.dtype, None if prev is None else prev.dtype)
         batches = kinds.setdefault(kind, [[]])
@@ -215,7 +217,7 @@ def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, in
                                          np.full(len(members), bool(prevs)))
         for i, p, stream in zip(members, packed, streams):
             if stream is not None:  # else: encode_codes below says what is wrong, or takes the general path
-                flags = (_F_DELTA if prevs else 0) | (_F_TUPLES if p else 0) | _CODER_IDS["rans"] << 4
+                flags = (_F_DELTA if jobs[i][0] is not None else 0) | (_F_TUPLES if p else 0) | _CODER_IDS["rans"] << 4
                 out[i] = _codes_header(flags, jobs[i][1].numel(), jobs[i][2]) + stream
     return [b if b is not None else encode_codes(prev, cur, n_levels, **options)
             for b, (prev, cur, n_levels, options) in zip(out, jobs)]
@@ -228,9 +230,9 @@ def _batchable(prev, cur, n_levels, options) -> bool:
     """Whether encode_codes of this job is the plain order-0 rANS stream of valid-looking codes."""
     if options.get("coder", "huffman") != "rans" or options.get("rle", True):
         return False
-    if options.get("tuples", False) and (prev is not None or not isinstance(n_levels, (int, np.integer))
-                                         or _tuples.size(int(n_levels)) < 2):
-        return False  # encode_codes packs a delta's stream, or refuses
+    if options.get("tuples", False) and not (isinstance(n_levels, (int, np.integer))
+                                             and _tuples.size(int(n_levels)) > 1):
+        return False  # encode_codes refuses
     if prev is not None and (options.get("rearrange", True) or not isinstance(prev, torch.Tensor)
                              or prev.dtype not in INT_DTYPES or prev.numel() != cur.numel()):
         return False

@@ -127,7 +127,7 @@ RESIDUAL = _stage("residual/1", "the codes quantize the weight minus the parent'
                   "that reconstruction + the dequantized record (no cyclic delta follows): methods/quantizing.py")
 REARRANGE = _stage("rearrange/1", "deltas grouped by the parent's code (Algorithm 5): codec/delta.py")
 RLE = _stage("rle/1", "run-length stream (-value, length if >= 2): codec/rle.py")
-TUPLE = _stage("tuple/1", "codes of B = 2..5 levels packed tuples.size(B) to a symbol, the first the lowest "
+TUPLE = _stage("tuple/1", "codes of B = 2..32 levels packed tuples.size(B) to a symbol, the first the lowest "
                "digit: codec/tuples.py")
 
 # --- bitsnap ------------------------------------------------------------------------------------

@@ -8,12 +8,15 @@ last group padded with code 0::
 
     T[j] = S[g*j] + B * S[g*j + 1] + ... + B**(g-1) * S[g*j + g - 1]
 
-``g = size(B)`` is the largest with ``B**g <= MAX_SYMBOLS`` (B = 2: 5, B = 3: 3, B = 4 or 5: 2),
-so the coder's alphabet table stays small; order-0 over the groups costs what order-0 over the
-codes does, less the pairs' dependence (docs/BENCHMARKS.md, "Direction codes three to a symbol").
+``g = size(B)``: 5, 3, 2, 2 for B = 2..5 (``B**g <= 32``), 2 for B = 6..32 (a cyclic delta's
+few distinct pairs), else 1 (not packed). Order-0 over the groups costs what order-0 over the
+codes does, less the codes' dependence within a group, plus a larger alphabet table in the
+coder's header (tens of bytes): the writer packs a stream only from ``min_codes(B)`` codes
+(docs/BENCHMARKS.md, "Code streams a few codes to a symbol").
 
-    syms = pack(codes, B)            # -> uint8 numpy, ceil(n / g) symbols
-    codes = unpack(syms, n, B)       # -> int64 torch; CorruptCheckpointError on a bad symbol
+    syms = pack(codes, B)               # -> numpy, ceil(n / g) symbols (uint8, or uint16 past 256)
+    syms = pack(codes, B, prev=parent)  # the cyclic delta (parent - codes) mod B, packed
+    codes = unpack(syms, n, B)          # -> int64 torch; CorruptCheckpointError on a bad symbol
 
 Both have a plain torch reference (``backend="torch"``); numba kernels give the same result on CPU.
 """
@@ -29,18 +32,26 @@ try:  # optional fast path
 except ImportError:  # pragma: no cover
     _numba = None
 
-__all__ = ["MAX_SYMBOLS", "MIN_CODES", "size", "pack", "unpack"]
+__all__ = ["size", "min_codes", "pack", "unpack"]
 
-MAX_SYMBOLS = 32  # B**g: the coder's alphabet and frequency table (27 for B = 3: ~60 header bytes)
-MIN_CODES = 4096  # the writer's floor: below it the larger table costs more than the packing saves
+MAX_PAIRED = 32        # the largest B packed (in pairs: 1024 symbols, the rANS kernels' table of values)
+SMALL_CODES = 4096     # B <= 5: below it the alphabet table (up to 32 entries) costs more than packing saves
+PAIRED_CODES = 1 << 17  # B = 6..32: ~100 bytes more table a stream, paid back only by long streams
 
 
 def size(B: int) -> int:
-    """Codes per symbol for an alphabet of ``B`` codes (1: not packed)."""
+    """Codes per symbol for an alphabet of ``B`` codes (1: never packed)."""
+    if B < 2 or B > MAX_PAIRED:
+        return 1
     g = 1
-    while B >= 2 and B ** (g + 1) <= MAX_SYMBOLS:
+    while B ** (g + 1) <= 32:
         g += 1
-    return g
+    return max(g, 2)
+
+
+def min_codes(B: int) -> int:
+    """The writer's floor: a stream of fewer codes is not packed."""
+    return SMALL_CODES if B <= 5 else PAIRED_CODES
 
 
 def _fast(backend: str, t) -> bool:
@@ -51,30 +62,47 @@ def _fast(backend: str, t) -> bool:
     return backend != "torch" and _numba is not None and (not isinstance(t, torch.Tensor) or t.device.type == "cpu")
 
 
-def pack(codes, B: int, *, backend: str = "auto") -> np.ndarray:
-    """Flat codes in ``[0, B)`` (numpy or torch, any integer dtype) -> their symbols, uint8
-    (module docstring). A code outside [0, B) is a ValueError."""
+def _np(x) -> np.ndarray:
+    return (x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)).reshape(-1)
+
+
+def pack(codes, B: int, *, prev=None, backend: str = "auto") -> np.ndarray:
+    """Flat codes in ``[0, B)`` (numpy or torch, any integer dtype), or their cyclic delta
+    ``(prev - codes) mod B`` against ``prev`` (as many codes in [0, B)) -> the symbols (module
+    docstring), uint8 or uint16. A code outside [0, B) is a ValueError."""
     g = size(B)
     if g < 2:
         raise ValueError(f"an alphabet of {B} codes is not packed (tuples.size({B}) == 1)")
-    if _fast(backend, codes):
-        c = codes.numpy() if isinstance(codes, torch.Tensor) else np.asarray(codes)
-        out = np.empty(-(-c.size // g), dtype=np.uint8)
-        if not _pack_kernel(c.reshape(-1), B, g, out):
+    dtype = np.uint8 if B ** g <= 256 else np.uint16
+    n = codes.numel() if isinstance(codes, torch.Tensor) else np.size(codes)
+    if prev is not None and (prev.numel() if isinstance(prev, torch.Tensor) else np.size(prev)) != n:
+        raise ValueError(f"a delta needs prev of the codes' size {n}")
+    if _fast(backend, codes) and (prev is None or _fast(backend, prev)):
+        c = _np(codes)
+        if prev is not None:
+            d = np.empty(n, dtype=np.uint8)  # B <= 32
+            if not _delta_kernel(c, _np(prev), B, d):
+                raise ValueError(f"codes outside [0, {B}) cannot be packed")
+            c = d
+        out = np.empty(-(-n // g), dtype=dtype)
+        if not _pack_kernel(c, B, g, out):
             raise ValueError(f"codes outside [0, {B}) cannot be packed")
         return out
     c = torch.as_tensor(codes).reshape(-1).to(torch.int64)
-    if c.numel() and (int(c.min()) < 0 or int(c.max()) >= B):
-        raise ValueError(f"codes outside [0, {B}) cannot be packed")
+    for t in (c,) if prev is None else (c, torch.as_tensor(prev).reshape(-1).to(torch.int64)):
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= B):
+            raise ValueError(f"codes outside [0, {B}) cannot be packed")
+    if prev is not None:
+        c = torch.remainder(torch.as_tensor(prev).reshape(-1).to(torch.int64) - c, B)
     c = torch.cat([c, c.new_zeros(-c.numel() % g)]).view(-1, g)
     weights = B ** torch.arange(g, dtype=torch.int64, device=c.device)
-    return (c * weights).sum(1).to(torch.uint8).cpu().numpy()
+    return (c * weights).sum(1).cpu().numpy().astype(dtype)
 
 
 def unpack(symbols, n: int, B: int, *, backend: str = "auto") -> torch.Tensor:
-    """Inverse of :func:`pack` -> the ``n`` codes, int64 torch on the symbols' device (CPU for
-    numpy). A symbol count other than ceil(n / g), a symbol outside [0, B**g) or padding other
-    than code 0 is a CorruptCheckpointError."""
+    """Inverse of :func:`pack` -> the ``n`` codes (or deltas), int64 torch on the symbols' device
+    (CPU for numpy). A symbol count other than ceil(n / g), a symbol outside [0, B**g) or padding
+    other than code 0 is a CorruptCheckpointError."""
     g = size(B)
     if g < 2:
         raise CorruptCheckpointError(f"code buffer packs codes of an alphabet of {B}, which is never packed")
@@ -99,35 +127,46 @@ def unpack(symbols, n: int, B: int, *, backend: str = "auto") -> torch.Tensor:
 
 if _numba is not None:
     @_numba.njit(cache=True, nogil=True)
+    def _delta_kernel(c, p, B, out):  # pragma: no cover - compiled
+        """out = (p - c) mod B -> False on a code outside [0, B) (branch-free: it vectorizes)."""
+        bad = False
+        for i in range(c.size):
+            x, q = np.int64(c[i]), np.int64(p[i])  # widened first: numba's narrow arithmetic wraps
+            bad |= (x < 0) | (x >= B) | (q < 0) | (q >= B)
+            d = q - x
+            out[i] = d + (B & (d >> 63))
+        return not bad
+
+    @_numba.njit(cache=True, nogil=True)
     def _pack_kernel(c, B, g, out):  # pragma: no cover - compiled
         """out[j] = the j-th group's digits (the last group zero-padded) -> False on a code outside
-        [0, B). One loop per g (2, 3 or 5) in the codes' own dtype: unrolled, 20x a generic loop."""
+        [0, B). One branch-free loop per g (2, 3 or 5): they vectorize, 20x a loop over the digits."""
         n = c.size
         whole = n // g
-        b = c.dtype.type(B)
         bad = False
         if g == 2:
             for j in range(whole):
-                x0, x1 = c[2 * j], c[2 * j + 1]
-                bad |= (x0 >= b) | (x1 >= b) | (x0 < 0) | (x1 < 0)
-                out[j] = x0 + b * x1
+                x0, x1 = np.int64(c[2 * j]), np.int64(c[2 * j + 1])
+                bad |= (x0 < 0) | (x0 >= B) | (x1 < 0) | (x1 >= B)
+                out[j] = x0 + B * x1
         elif g == 3:
             for j in range(whole):
-                x0, x1, x2 = c[3 * j], c[3 * j + 1], c[3 * j + 2]
-                bad |= (x0 >= b) | (x1 >= b) | (x2 >= b) | (x0 < 0) | (x1 < 0) | (x2 < 0)
-                out[j] = x0 + b * (x1 + b * x2)
+                x0, x1, x2 = np.int64(c[3 * j]), np.int64(c[3 * j + 1]), np.int64(c[3 * j + 2])
+                bad |= (x0 < 0) | (x0 >= B) | (x1 < 0) | (x1 >= B) | (x2 < 0) | (x2 >= B)
+                out[j] = x0 + B * (x1 + B * x2)
         else:
             for j in range(whole):
-                x0, x1, x2, x3, x4 = c[5 * j], c[5 * j + 1], c[5 * j + 2], c[5 * j + 3], c[5 * j + 4]
-                bad |= (x0 >= b) | (x1 >= b) | (x2 >= b) | (x3 >= b) | (x4 >= b)
-                bad |= (x0 < 0) | (x1 < 0) | (x2 < 0) | (x3 < 0) | (x4 < 0)
-                out[j] = x0 + b * (x1 + b * (x2 + b * (x3 + b * x4)))
+                x0, x1, x2 = np.int64(c[5 * j]), np.int64(c[5 * j + 1]), np.int64(c[5 * j + 2])
+                x3, x4 = np.int64(c[5 * j + 3]), np.int64(c[5 * j + 4])
+                bad |= (x0 < 0) | (x0 >= B) | (x1 < 0) | (x1 >= B) | (x2 < 0) | (x2 >= B)
+                bad |= (x3 < 0) | (x3 >= B) | (x4 < 0) | (x4 >= B)
+                out[j] = x0 + B * (x1 + B * (x2 + B * (x3 + B * x4)))
         if whole < out.size:
             t = np.int64(0)
             for i in range(n - 1, whole * g - 1, -1):
-                v = np.int64(c[i])
-                bad |= v < 0 or v >= B
-                t = t * B + v
+                x = np.int64(c[i])
+                bad |= (x < 0) | (x >= B)
+                t = t * B + x
             out[whole] = t
         return not bad
 
@@ -160,4 +199,4 @@ if _numba is not None:
                 out[5 * j + 3], out[5 * j + 4] = table[t, 3], table[t, 4]
         return not bad and (s.size == 0 or np.int64(s.min()) >= 0)
 else:  # pragma: no cover
-    _pack_kernel = _unpack_kernel = None
+    _delta_kernel = _pack_kernel = _unpack_kernel = None

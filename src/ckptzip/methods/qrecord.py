@@ -59,7 +59,7 @@ class RecordBatch:
         packed = False
         if coder == "auto":
             coder, rearrange, rle = ORDER0_CODER, False, False
-            packed = prev is None and tuples.size(B) > 1 and q.numel >= tuples.MIN_CODES
+            packed = tuples.size(B) > 1 and q.numel >= tuples.min_codes(B)
         # narrow codes (uint8) go in as they are: the delta and coder kernels widen value by value
         self._jobs.append((prev.codes if prev is not None else None, q.codes, B,
                            {"rearrange": rearrange, "rle": rle, "coder": coder, "tuples": packed}))
