@@ -302,6 +302,31 @@ def test_numba_kernels_equal_the_torch_reference(codec, overflow, monkeypatch):
             M.encode_pairs_levels(bad, codec)
 
 
+@pytest.mark.parametrize("codec", [M.GridCodec(), M.GridCodec(m_bits=3, prune=0.0, group=100),
+                                   M.GridCodec(normalize="decoded", m_bits=2, prune=0.5, group=64)])
+def test_direction_values_equal_the_torch_reference(codec, monkeypatch):
+    """dequantize_m's kernel (momentkernels.direction_values: levels[c] * scale (* D) in one pass
+    over narrow codes) against the reference's gather and multiplies, bit for bit; codes outside
+    the levels are named by both."""
+    if not M.K.HAVE_NUMBA:
+        pytest.skip("numba is not installed")
+    g = torch.Generator().manual_seed(7)
+    pairs = [(torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-6, M.AdamHP(step=3))
+             for n in (1000, 333, 70_000)]
+    for (qm, qv, _), (_, _, hp) in zip(M.encode_pairs_levels(pairs, codec), pairs):
+        D = M.decode_denominator(qv, hp)
+        got = {}
+        for use in (True, False):
+            monkeypatch.setattr(M, "_use_kernels", lambda x, u=use: u)
+            got[use] = M.dequantize_m(qm, D)
+            bad = dataclasses.replace(qm, codes=qm.codes.clone())
+            bad.codes[5] = qm.n_levels + 3
+            with pytest.raises((ValueError, IndexError)):
+                M.dequantize_m(bad, D)
+        assert qm.codes.dtype == torch.uint8 and got[True].dtype == got[False].dtype
+        assert torch.equal(got[True].view(torch.int32), got[False].view(torch.int32))
+
+
 def test_sqrt_rn_is_correctly_rounded_and_decodes_adam():
     """base.sqrt_rn is the fp64 root rounded once to fp32 (the correctly rounded one: torch's CPU fp32
     sqrt is not, and differs by CPU vendor) over 60 decades, subnormals and zeros; Adam's decoded

@@ -33,12 +33,14 @@ def test_kernels_match_the_torch_reference(B, dtype):
         assert fast.dtype == ref.dtype and np.array_equal(fast, ref) and fast.size == -(-n // g)
         assert int(fast.max(initial=0)) < B ** g
         for backend in ("numba", "torch"):
-            assert torch.equal(tuples.unpack(fast, n, B, backend=backend), codes.long())
+            assert torch.equal(tuples.unpack(fast, n, B, backend=backend), codes.to(torch.uint8))
         prev = torch.randint(0, B, (n,), generator=torch.Generator().manual_seed(n + 1)).to(dtype)
         delta = torch.remainder(prev.long() - codes.long(), B)
         fast = tuples.pack(codes, B, prev=prev, backend="numba")
         assert np.array_equal(fast, tuples.pack(codes, B, prev=prev, backend="torch"))
         assert np.array_equal(fast, tuples.pack(delta, B))
+        for backend in ("numba", "torch"):  # the delta undone in the unpacking pass
+            assert torch.equal(tuples.unpack(fast, n, B, prev=prev, backend=backend), codes.to(torch.uint8))
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
@@ -66,6 +68,10 @@ def test_unpack_names_a_damaged_stream(backend):
         tuples.unpack(np.array([5, 3 + 9], dtype=np.int64), 5, 3, backend=backend)  # pad digit 1
     with pytest.raises(CorruptCheckpointError, match="never packed"):
         tuples.unpack(good, 5, 33, backend=backend)
+    with pytest.raises(ValueError, match=r"prev codes must lie in \[0, 3\)"):
+        tuples.unpack(good, 5, 3, prev=torch.tensor([0, 1, 2, 3, 0]), backend=backend)
+    with pytest.raises(ValueError, match="a delta needs prev of 5 codes, got 4"):
+        tuples.unpack(good, 5, 3, prev=torch.tensor([0, 1, 2, 0]), backend=backend)
 
 
 def _direction_like(n: int, seed: int = 0) -> torch.Tensor:
@@ -81,7 +87,8 @@ def test_a_packed_buffer_decodes_and_the_batch_writes_the_same_bytes():
     h = entropy.read_codes_header(buf)
     assert h["tuples"] and h["n"] == 20_000 and h["n_levels"] == 3
     assert rans.rans_decode(entropy._split_codes(buf)[1]).size == -(-20_000 // 3)  # a third of the symbols
-    assert torch.equal(entropy.decode_codes(buf), codes.long())
+    decoded = entropy.decode_codes(buf)
+    assert decoded.dtype == torch.uint8 and torch.equal(decoded, codes)  # every code < B <= 32
     options = {"rle": False, "coder": "rans", "rearrange": False, "tuples": True}
     plain = {**options, "tuples": False}
     many = entropy.encode_codes_many([(None, codes, 3, options), (None, codes, 3, plain), (None, codes[:7], 3, options)])
@@ -91,7 +98,7 @@ def test_a_packed_buffer_decodes_and_the_batch_writes_the_same_bytes():
     # table (27 values and frequencies): real direction codes pay it back (docs/BENCHMARKS.md)
     assert len(many[1]) < len(buf) <= len(many[1]) + 80
     (symbols,) = entropy.decode_symbols_many([buf], 1 << 20)  # a restore's batch decode
-    assert torch.equal(entropy.decode_codes(buf, symbols=symbols), codes.long())
+    assert torch.equal(entropy.decode_codes(buf, symbols=symbols), codes)
 
 
 def test_a_delta_and_every_coder_pack_through_the_general_path():

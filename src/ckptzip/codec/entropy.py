@@ -248,7 +248,7 @@ def read_codes_header(buf) -> dict:
 
 def decode_codes(buf, prev_codes: torch.Tensor | None = None, n_levels: int | None = None, *,
                  device: torch.device | str | None = None, symbols: np.ndarray | None = None) -> torch.Tensor:
-    """Inverse of :func:`encode_codes` -> (n,) int64 codes.
+    """Inverse of :func:`encode_codes` -> (n,) codes: int64, uint8 from a packed stream (tuple/1).
 
     ``prev_codes``: the previous checkpoint's codes, required exactly when the buffer is a delta.
     ``n_levels``: optional check against the recorded B. The result lives on ``device``, else on
@@ -266,21 +266,27 @@ def decode_codes(buf, prev_codes: torch.Tensor | None = None, n_levels: int | No
     if symbols is None:
         symbols = decode_stream(h["coder"], body)
     stream = torch.from_numpy(symbols).to(device)
-    if h["rle"]:
+    prev = None
+    if h["delta"]:
+        prev = _delta._flat_codes(prev_codes, "prev_codes").to(device)
+        if prev.numel() != n:
+            raise ValueError(f"prev_codes has {prev.numel()} codes but the delta was taken over {n}; "
+                             "pass the codes of the checkpoint this delta was encoded against")
+    if h["tuples"]:  # every code in [0, levels), or it raised; a plain delta undone on the way
+        fused = h["delta"] and not h["rearrange"]
+        stream = _tuples.unpack(stream, n, levels, prev=prev if fused else None)
+        if fused or not h["delta"]:
+            return stream
+    elif h["rle"]:
         stream = _rle.rle_decode(stream, n)
-    elif h["tuples"]:
-        stream = _tuples.unpack(stream, n, levels)  # every code in [0, levels), or it raised
     elif stream.numel() != n:
         raise CorruptCheckpointError(f"code stream holds {stream.numel()} symbols, header says {n}")
-    lo, hi = (int(v) for v in torch.aminmax(stream)) if n and not h["tuples"] else (0, 0)
-    if lo < 0 or hi >= levels:
-        raise CorruptCheckpointError(f"decoded codes fall outside [0, {levels})")
+    if not h["tuples"]:
+        lo, hi = (int(v) for v in torch.aminmax(stream)) if n else (0, 0)
+        if lo < 0 or hi >= levels:
+            raise CorruptCheckpointError(f"decoded codes fall outside [0, {levels})")
     if not h["delta"]:
         return stream
-    prev = _delta._flat_codes(prev_codes, "prev_codes").to(device)
-    if prev.numel() != n:
-        raise ValueError(f"prev_codes has {prev.numel()} codes but the delta was taken over {n}; "
-                         "pass the codes of the checkpoint this delta was encoded against")
     if h["rearrange"]:  # range-checks prev while counting its groups
         return _delta.undo_grouped_cyclic_delta(prev, stream, levels).to(torch.int64)
     _delta._check_range(prev, levels, "prev_codes")

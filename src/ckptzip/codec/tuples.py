@@ -16,7 +16,8 @@ coder's header (tens of bytes): the writer packs a stream only from ``min_codes(
 
     syms = pack(codes, B)               # -> numpy, ceil(n / g) symbols (uint8, or uint16 past 256)
     syms = pack(codes, B, prev=parent)  # the cyclic delta (parent - codes) mod B, packed
-    codes = unpack(syms, n, B)          # -> int64 torch; CorruptCheckpointError on a bad symbol
+    codes = unpack(syms, n, B)          # -> uint8 torch (B <= 32); CorruptCheckpointError on a bad symbol
+    codes = unpack(syms, n, B, prev=parent)  # the delta undone in the same pass
 
 Both have a plain torch reference (``backend="torch"``); numba kernels give the same result on CPU.
 """
@@ -99,30 +100,45 @@ def pack(codes, B: int, *, prev=None, backend: str = "auto") -> np.ndarray:
     return (c * weights).sum(1).cpu().numpy().astype(dtype)
 
 
-def unpack(symbols, n: int, B: int, *, backend: str = "auto") -> torch.Tensor:
-    """Inverse of :func:`pack` -> the ``n`` codes (or deltas), int64 torch on the symbols' device
-    (CPU for numpy). A symbol count other than ceil(n / g), a symbol outside [0, B**g) or padding
-    other than code 0 is a CorruptCheckpointError."""
+def unpack(symbols, n: int, B: int, *, prev=None, backend: str = "auto") -> torch.Tensor:
+    """Inverse of :func:`pack` -> the ``n`` codes, uint8 torch (every code < B <= 32: an int64 array
+    of GPT-2 124M's was 1 GB of fresh pages a restore) on the symbols' device (CPU for numpy); with ``prev`` (n codes in [0, B)) the packed stream is a cyclic delta and the result
+    ``(prev - delta) mod B``, in the same pass. A symbol count other than ceil(n / g), a symbol
+    outside [0, B**g) or padding other than code 0 is a CorruptCheckpointError; a ``prev`` code
+    outside [0, B) a ValueError."""
     g = size(B)
     if g < 2:
         raise CorruptCheckpointError(f"code buffer packs codes of an alphabet of {B}, which is never packed")
     s = torch.as_tensor(symbols).reshape(-1)
     if s.numel() != -(-n // g):
         raise CorruptCheckpointError(f"packed code stream holds {s.numel()} symbols, {n} codes need {-(-n // g)}")
-    if _fast(backend, s):
-        out = np.empty(s.numel() * g, dtype=np.int64)
-        if not _unpack_kernel(s.numpy(), B, g, out):
-            raise CorruptCheckpointError(f"packed code stream has a symbol outside [0, {B ** g})")
+    p = None if prev is None else torch.as_tensor(prev).reshape(-1)
+    if p is not None and p.numel() != n:
+        raise ValueError(f"a delta needs prev of {n} codes, got {p.numel()}")
+    if _fast(backend, s) and (p is None or _fast(backend, p)):
+        out = np.empty(n, dtype=np.uint8)
+        status = _unpack_kernel(s.numpy(), B, g, out, out if p is None else p.numpy(), p is not None)
         codes = torch.from_numpy(out)
     else:
         s = s.to(torch.int64)
-        if s.numel() and (int(s.min()) < 0 or int(s.max()) >= B ** g):
-            raise CorruptCheckpointError(f"packed code stream has a symbol outside [0, {B ** g})")
+        status = 1 if s.numel() and (int(s.min()) < 0 or int(s.max()) >= B ** g) else 0
         powers = B ** torch.arange(g, dtype=torch.int64, device=s.device)
         codes = torch.div(s[:, None], powers, rounding_mode="floor").remainder_(B).reshape(-1)
-    if bool(codes[n:].any()):
+        if not status and bool(codes[n:].any()):
+            status = 3
+        codes = codes[:n]
+        if not status and p is not None:
+            pw = p.to(torch.int64)
+            status = 2 if n and (int(pw.min()) < 0 or int(pw.max()) >= B) else 0
+            codes = torch.remainder(pw - codes, B)
+        codes = codes.to(torch.uint8)
+    if status == 1:
+        raise CorruptCheckpointError(f"packed code stream has a symbol outside [0, {B ** g})")
+    if status == 2:
+        raise ValueError(f"prev codes must lie in [0, {B}): pass the codes of the checkpoint this delta was taken against")
+    if status == 3:
         raise CorruptCheckpointError("packed code stream pads its last symbol with codes other than 0")
-    return codes[:n]
+    return codes
 
 
 if _numba is not None:
@@ -170,9 +186,22 @@ if _numba is not None:
             out[whole] = t
         return not bad
 
+    @_numba.njit(inline="always")
+    def _put(out, prev, k, d, B, delta):  # pragma: no cover - compiled
+        """out[k] = digit d, or (prev[k] - d) mod B -> whether prev[k] is outside [0, B)."""
+        if not delta:
+            out[k] = d
+            return False
+        q = np.int64(prev[k])
+        v = q - d
+        out[k] = v + (B & (v >> 63))
+        return (q < 0) | (q >= B)
+
     @_numba.njit(cache=True, nogil=True)
-    def _unpack_kernel(s, B, g, out):  # pragma: no cover - compiled
-        """Each symbol's g digits from a table, one loop per g -> False on a symbol outside [0, B**g)."""
+    def _unpack_kernel(s, B, g, out, prev, delta):  # pragma: no cover - compiled
+        """The n = out.size codes of symbols s (each one's g digits from a table, one loop per g),
+        or with ``delta`` (prev - those digits) mod B -> 0, or 1: a symbol outside [0, B**g),
+        2: a prev code outside [0, B), 3: padding other than 0."""
         top = B ** g
         table = np.empty((top, 5), dtype=np.int64)
         for t in range(top):
@@ -180,23 +209,43 @@ if _numba is not None:
             for i in range(g):
                 table[t, i] = v % B
                 v //= B
+        n = out.size
+        whole = n // g
+        lo, hi = np.int64(0), np.int64(0)
         bad = False
         if g == 2:
-            for j in range(s.size):
-                t = min(np.int64(s[j]), top - 1)
-                bad |= np.int64(s[j]) != t
-                out[2 * j], out[2 * j + 1] = table[t, 0], table[t, 1]
+            for j in range(whole):
+                t = np.int64(s[j])
+                lo, hi = min(lo, t), max(hi, t)
+                t = min(max(t, 0), top - 1)
+                bad |= _put(out, prev, 2 * j, table[t, 0], B, delta)
+                bad |= _put(out, prev, 2 * j + 1, table[t, 1], B, delta)
         elif g == 3:
-            for j in range(s.size):
-                t = min(np.int64(s[j]), top - 1)
-                bad |= np.int64(s[j]) != t
-                out[3 * j], out[3 * j + 1], out[3 * j + 2] = table[t, 0], table[t, 1], table[t, 2]
+            for j in range(whole):
+                t = np.int64(s[j])
+                lo, hi = min(lo, t), max(hi, t)
+                t = min(max(t, 0), top - 1)
+                bad |= _put(out, prev, 3 * j, table[t, 0], B, delta)
+                bad |= _put(out, prev, 3 * j + 1, table[t, 1], B, delta)
+                bad |= _put(out, prev, 3 * j + 2, table[t, 2], B, delta)
         else:
-            for j in range(s.size):
-                t = min(np.int64(s[j]), top - 1)
-                bad |= np.int64(s[j]) != t
-                out[5 * j], out[5 * j + 1], out[5 * j + 2] = table[t, 0], table[t, 1], table[t, 2]
-                out[5 * j + 3], out[5 * j + 4] = table[t, 3], table[t, 4]
-        return not bad and (s.size == 0 or np.int64(s.min()) >= 0)
+            for j in range(whole):
+                t = np.int64(s[j])
+                lo, hi = min(lo, t), max(hi, t)
+                t = min(max(t, 0), top - 1)
+                for i in range(5):
+                    bad |= _put(out, prev, 5 * j + i, table[t, i], B, delta)
+        if whole < s.size:  # the last symbol: its first n - whole g digits, the rest padding
+            t = np.int64(s[whole])
+            lo, hi = min(lo, t), max(hi, t)
+            t = min(max(t, 0), top - 1)
+            for i in range(g):
+                if whole * g + i < n:
+                    bad |= _put(out, prev, whole * g + i, table[t, i], B, delta)
+                elif table[t, i] != 0 and lo >= 0 and hi < top:
+                    return 3
+        if lo < 0 or hi >= top:
+            return 1
+        return 2 if bad else 0
 else:  # pragma: no cover
     _delta_kernel = _pack_kernel = _unpack_kernel = None

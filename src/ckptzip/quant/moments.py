@@ -229,7 +229,8 @@ def _grid_record(c: torch.Tensor, v: torch.Tensor, step: float, factored: bool, 
 
 
 def decode_grid(q: QuantizedTensor) -> torch.Tensor:
-    """Absolute grid codes (int64, flat) of a quantize_v result."""
+    """Absolute grid codes (flat) of a quantize_v result: int64, or the record's own narrow codes
+    (a packed stream's uint8: an int64 copy of GPT-2 124M's would be 1 GB of fresh pages)."""
     c = q.codes.reshape(-1)
     if q.meta.get("factored"):
         rc = _as_2d(q.shape)
@@ -246,7 +247,7 @@ def decode_grid(q: QuantizedTensor) -> torch.Tensor:
             low = int(c.min()) if c.numel() else 0
         if low < 0:
             raise ValueError("factored grid codes decode to a negative level")
-    return c.to(torch.int64)
+    return c if c.dtype == torch.uint8 else c.to(torch.int64)
 
 
 def decode_denominator(q: QuantizedTensor, hp: AdamHP, codes: torch.Tensor | None = None) -> torch.Tensor:
@@ -469,7 +470,16 @@ def dequantize_m(q: QuantizedTensor, D: torch.Tensor | None, dtype: torch.dtype 
                          f"found {None if s is None else s.numel()}")
     if q.meta.get("normalized") and D is None:
         raise ValueError("a normalized exp_avg needs the decoded denominator of its exp_avg_sq")
-    u = q.codebook.to(torch.float32)[q.codes.reshape(-1).long()]  # a fresh tensor: scaled in place
+    c, levels = q.codes.reshape(-1), q.codebook.to(torch.float32)
+    if _use_kernels(c) and c.is_contiguous() and (D is None or D.device.type == "cpu"):
+        if c.numel() and not 0 <= int(c.min()) <= int(c.max()) < levels.numel():
+            raise ValueError(f"direction codes outside the {levels.numel()} levels")
+        u = torch.empty(n, dtype=torch.float32)  # one pass over narrow codes (quant/momentkernels.py)
+        Dn = D.reshape(-1).to(torch.float32).contiguous() if q.meta.get("normalized") else u[:0]
+        K.direction_values(c.numpy(), levels.contiguous().numpy(), s.reshape(-1).float().contiguous().numpy(),
+                           group, Dn.numpy(), bool(q.meta.get("normalized")), u.numpy())
+        return u.to(dtype or torch_dtype(q.dtype)).reshape(q.shape)
+    u = levels[c.long()]  # a fresh tensor: scaled in place
     sf = s.to(u.device, torch.float32)
     full = n - n % group  # whole groups by a broadcast (repeat_interleave built a copy of the scales)
     u[:full].view(-1, group).mul_(sf[:full // group, None])
