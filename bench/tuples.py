@@ -108,7 +108,8 @@ def main(argv=None) -> None:
             base = z if what == "save" else uz
             rows.append([f"{what}, {kind}", f"{1e3 * statistics.median(v):.1f}", f"{1e3 * min(v):.1f}",
                          f"{statistics.median(v) / base:.2f}x"])
-    n_params = sum(t.numel() for n, t in _flat(states[0]) if n.startswith("model"))
+    model = {t.data_ptr(): t.numel() for n, t in _flat(states[0]) if n.startswith("model")}  # tied: once
+    n_params = sum(model.values())
     print(f"\n### dynaquant, {len(states)} checkpoints ({n_params / 1e6:.2f}M parameters), {args.reps} paired "
           f"repetitions; restore: step {len(states)} from its keyframe; packed from {packing[0]} codes (B <= 5), "
           f"{packing[1]} (B = 6..32)\n")

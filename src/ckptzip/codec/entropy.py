@@ -211,7 +211,7 @@ def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, in
         filled[kind] = filled.get(kind, 0) + s.size
     for (_, prev_dtype), members in ((k, m) for k, batches in kinds.items() for m in batches):
         prevs = [] if prev_dtype is None else [to_numpy_bits(jobs[i][0]) for i in members]
-        packed = [jobs[i][3].get("tuples", False) for i in members]  # keyframe-style only (_batchable)
+        packed = [jobs[i][3].get("tuples", False) for i in members]  # their deltas taken above
         levels = [jobs[i][2] ** _tuples.size(jobs[i][2]) if p else jobs[i][2] for i, p in zip(members, packed)]
         streams = rans.rans_encode_codes([syms[i] for i in members], levels, prevs,
                                          np.full(len(members), bool(prevs)))

@@ -59,8 +59,8 @@ from .base import Encoded
 
 MOMENT_CODECS = ("grid", "normalized", "exact")
 _QUANTIZED_ROLES = ("exp_avg_sq", "exp_avg", "momentum_buffer")  # v first: m is normalized by the decoded v
-# measured: an order-0 coder on the plain delta beats RLE + Huffman on v's codes; "auto" packs the
-# direction codes' 2-5 levels (tuple/1)
+# measured: an order-0 coder on the plain delta beats RLE + Huffman on v's codes; "auto" also packs
+# long enough streams of few levels (tuple/1: the direction codes' 3, v's deltas in pairs)
 _GRID_CODER = ("auto", False, False)
 
 

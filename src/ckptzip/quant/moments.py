@@ -470,9 +470,12 @@ def dequantize_m(q: QuantizedTensor, D: torch.Tensor | None, dtype: torch.dtype 
                          f"found {None if s is None else s.numel()}")
     if q.meta.get("normalized") and D is None:
         raise ValueError("a normalized exp_avg needs the decoded denominator of its exp_avg_sq")
+    if q.meta.get("normalized") and D.numel() != n:
+        raise ValueError(f"{n} direction codes normalized by a denominator of {D.numel()} values")
     c, levels = q.codes.reshape(-1), q.codebook.to(torch.float32)
-    if _use_kernels(c) and c.is_contiguous() and (D is None or D.device.type == "cpu"):
-        if c.numel() and not 0 <= int(c.min()) <= int(c.max()) < levels.numel():
+    if _use_kernels(c) and c.is_contiguous() and c.numel() == n and (D is None or D.device.type == "cpu"):
+        lo, hi = (int(x) for x in torch.aminmax(c)) if n else (0, 0)
+        if not 0 <= lo <= hi < levels.numel():
             raise ValueError(f"direction codes outside the {levels.numel()} levels")
         u = torch.empty(n, dtype=torch.float32)  # one pass over narrow codes (quant/momentkernels.py)
         Dn = D.reshape(-1).to(torch.float32).contiguous() if q.meta.get("normalized") else u[:0]
