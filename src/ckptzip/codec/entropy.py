@@ -190,34 +190,39 @@ def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, in
     out: list[bytes | None] = [None] * len(jobs)
     kinds: dict[tuple, list[list[int]]] = {}
     filled: dict[tuple, int] = {}  # symbols in each kind's last batch
-    syms: dict[int, np.ndarray] = {}  # what each batched job codes: its codes, or their tuples
     for i, (prev, cur, n_levels, options) in enumerate(jobs):
         if not (_batchable(prev, cur, n_levels, options) and rans.HAVE_NUMBA):
             continue
-        s = to_numpy_bits(cur)  # a view of the usual flat CPU codes
-        if options.get("tuples", False):  # packed here, a delta taken on the way: coded as plain symbols
-            try:
-                s = _tuples.pack(s, int(n_levels), prev=None if prev is None else to_numpy_bits(prev))
-            except ValueError:  # a code outside [0, B): encode_codes below says so
-                continue
-            prev = None
-        syms[i] = s
-        kind = (s.dtype, None if prev is None else prev.dtype)
+        if options.get("tuples", False):  # packed with the batch, a delta taken on the way: plain symbols
+            kind, size = (_tuples.symbol_dtype(int(n_levels)), None), -(-cur.numel() // _tuples.size(int(n_levels)))
+        else:
+            kind, size = (cur.dtype, None if prev is None else prev.dtype), cur.numel()
         batches = kinds.setdefault(kind, [[]])
-        if batches[-1] and filled[kind] + s.size > BATCH_CODES:
+        if batches[-1] and filled[kind] + size > BATCH_CODES:
             batches.append([])
             filled[kind] = 0
         batches[-1].append(i)
-        filled[kind] = filled.get(kind, 0) + s.size
+        filled[kind] = filled.get(kind, 0) + size
     for (_, prev_dtype), members in ((k, m) for k, batches in kinds.items() for m in batches):
-        prevs = [] if prev_dtype is None else [to_numpy_bits(jobs[i][0]) for i in members]
-        packed = [jobs[i][3].get("tuples", False) for i in members]  # their deltas taken above
-        levels = [jobs[i][2] ** _tuples.size(jobs[i][2]) if p else jobs[i][2] for i, p in zip(members, packed)]
-        streams = rans.rans_encode_codes([syms[i] for i in members], levels, prevs,
-                                         np.full(len(members), bool(prevs)))
-        for i, p, stream in zip(members, packed, streams):
+        syms, levels, coded = [], [], []
+        for i in members:  # packed here, one batch at a time: a save holds one batch's symbols
+            prev, cur, B, options = jobs[i]
+            if options.get("tuples", False):
+                try:
+                    syms.append(_tuples.pack(to_numpy_bits(cur), B, prev=None if prev is None else to_numpy_bits(prev)))
+                except ValueError:  # a code outside [0, B): encode_codes below says so
+                    continue
+                levels.append(B ** _tuples.size(B))
+            else:
+                syms.append(to_numpy_bits(cur))  # a view of the usual flat CPU codes
+                levels.append(B)
+            coded.append(i)
+        prevs = [] if prev_dtype is None else [to_numpy_bits(jobs[i][0]) for i in coded]
+        streams = rans.rans_encode_codes(syms, levels, prevs, np.full(len(coded), bool(prevs))) if coded else []
+        for i, stream in zip(coded, streams):
             if stream is not None:  # else: encode_codes below says what is wrong, or takes the general path
-                flags = (_F_DELTA if jobs[i][0] is not None else 0) | (_F_TUPLES if p else 0) | _CODER_IDS["rans"] << 4
+                flags = (_F_DELTA if jobs[i][0] is not None else 0) | _CODER_IDS["rans"] << 4 | \
+                    (_F_TUPLES if jobs[i][3].get("tuples", False) else 0)
                 out[i] = _codes_header(flags, jobs[i][1].numel(), jobs[i][2]) + stream
     return [b if b is not None else encode_codes(prev, cur, n_levels, **options)
             for b, (prev, cur, n_levels, options) in zip(out, jobs)]

@@ -33,7 +33,7 @@ try:  # optional fast path
 except ImportError:  # pragma: no cover
     _numba = None
 
-__all__ = ["size", "min_codes", "pack", "unpack"]
+__all__ = ["size", "symbol_dtype", "min_codes", "pack", "unpack"]
 
 MAX_PAIRED = 32        # the largest B packed (in pairs: 1024 symbols, the rANS kernels' table of values)
 SMALL_CODES = 4096     # B <= 5: below it the alphabet table (up to 32 entries) costs more than packing saves
@@ -48,6 +48,11 @@ def size(B: int) -> int:
     while B ** (g + 1) <= 32:
         g += 1
     return max(g, 2)
+
+
+def symbol_dtype(B: int) -> np.dtype:
+    """The symbols' dtype for an alphabet of ``B`` codes (uint8, or uint16 past 256 symbols)."""
+    return np.dtype(np.uint8 if B ** size(B) <= 256 else np.uint16)
 
 
 def min_codes(B: int) -> int:
@@ -74,7 +79,6 @@ def pack(codes, B: int, *, prev=None, backend: str = "auto") -> np.ndarray:
     g = size(B)
     if g < 2:
         raise ValueError(f"an alphabet of {B} codes is not packed (tuples.size({B}) == 1)")
-    dtype = np.uint8 if B ** g <= 256 else np.uint16
     n = codes.numel() if isinstance(codes, torch.Tensor) else np.size(codes)
     if prev is not None and (prev.numel() if isinstance(prev, torch.Tensor) else np.size(prev)) != n:
         raise ValueError(f"a delta needs prev of the codes' size {n}")
@@ -85,7 +89,7 @@ def pack(codes, B: int, *, prev=None, backend: str = "auto") -> np.ndarray:
             if not _delta_kernel(c, _np(prev), B, d):
                 raise ValueError(f"codes outside [0, {B}) cannot be packed")
             c = d
-        out = np.empty(-(-n // g), dtype=dtype)
+        out = np.empty(-(-n // g), dtype=symbol_dtype(B))
         if not _pack_kernel(c, B, g, out):
             raise ValueError(f"codes outside [0, {B}) cannot be packed")
         return out
@@ -97,7 +101,7 @@ def pack(codes, B: int, *, prev=None, backend: str = "auto") -> np.ndarray:
         c = torch.remainder(torch.as_tensor(prev).reshape(-1).to(torch.int64) - c, B)
     c = torch.cat([c, c.new_zeros(-c.numel() % g)]).view(-1, g)
     weights = B ** torch.arange(g, dtype=torch.int64, device=c.device)
-    return (c * weights).sum(1).cpu().numpy().astype(dtype)
+    return (c * weights).sum(1).cpu().numpy().astype(symbol_dtype(B))
 
 
 def unpack(symbols, n: int, B: int, *, prev=None, backend: str = "auto") -> torch.Tensor:
