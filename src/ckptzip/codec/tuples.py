@@ -106,10 +106,11 @@ def pack(codes, B: int, *, prev=None, backend: str = "auto") -> np.ndarray:
 
 def unpack(symbols, n: int, B: int, *, prev=None, backend: str = "auto") -> torch.Tensor:
     """Inverse of :func:`pack` -> the ``n`` codes, uint8 torch (every code < B <= 32: an int64 array
-    of GPT-2 124M's was 1 GB of fresh pages a restore) on the symbols' device (CPU for numpy); with ``prev`` (n codes in [0, B)) the packed stream is a cyclic delta and the result
-    ``(prev - delta) mod B``, in the same pass. A symbol count other than ceil(n / g), a symbol
-    outside [0, B**g) or padding other than code 0 is a CorruptCheckpointError; a ``prev`` code
-    outside [0, B) a ValueError."""
+    of GPT-2 124M's was 1 GB of fresh pages a restore) on the symbols' device (CPU for numpy).
+    With ``prev`` (n codes in [0, B)) the stream is a cyclic delta, undone in the same pass:
+    ``(prev - delta) mod B``. A symbol count other than ceil(n / g), a symbol outside [0, B**g) or
+    padding other than code 0 is a CorruptCheckpointError; a ``prev`` code outside [0, B) a
+    ValueError."""
     g = size(B)
     if g < 2:
         raise CorruptCheckpointError(f"code buffer packs codes of an alphabet of {B}, which is never packed")
