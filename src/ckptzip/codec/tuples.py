@@ -202,6 +202,17 @@ if _numba is not None:
         out[k] = v + (B & (v >> 63))
         return (q < 0) | (q >= B)
 
+    @_numba.njit(inline="always")
+    def _group(s, j, G, table, top, out, prev, B, delta):  # pragma: no cover - compiled
+        """Symbol j's G digits into out[G j:] -> (the symbol, whether a prev code was bad). G is a
+        literal at each call: the digit loop unrolls."""
+        t = np.int64(s[j])
+        row = min(max(t, 0), top - 1)
+        bad = False
+        for i in range(G):
+            bad |= _put(out, prev, G * j + i, table[row, i], B, delta)
+        return t, bad
+
     @_numba.njit(cache=True, nogil=True)
     def _unpack_kernel(s, B, g, out, prev, delta):  # pragma: no cover - compiled
         """The n = out.size codes of symbols s (each one's g digits from a table, one loop per g),
@@ -218,36 +229,26 @@ if _numba is not None:
         whole = n // g
         lo, hi = np.int64(0), np.int64(0)
         bad = False
-        if g == 2:
+        if g == 2:  # one loop per g, the test outside it
             for j in range(whole):
-                t = np.int64(s[j])
-                lo, hi = min(lo, t), max(hi, t)
-                t = min(max(t, 0), top - 1)
-                bad |= _put(out, prev, 2 * j, table[t, 0], B, delta)
-                bad |= _put(out, prev, 2 * j + 1, table[t, 1], B, delta)
+                t, b = _group(s, j, 2, table, top, out, prev, B, delta)
+                lo, hi, bad = min(lo, t), max(hi, t), bad | b
         elif g == 3:
             for j in range(whole):
-                t = np.int64(s[j])
-                lo, hi = min(lo, t), max(hi, t)
-                t = min(max(t, 0), top - 1)
-                bad |= _put(out, prev, 3 * j, table[t, 0], B, delta)
-                bad |= _put(out, prev, 3 * j + 1, table[t, 1], B, delta)
-                bad |= _put(out, prev, 3 * j + 2, table[t, 2], B, delta)
+                t, b = _group(s, j, 3, table, top, out, prev, B, delta)
+                lo, hi, bad = min(lo, t), max(hi, t), bad | b
         else:
             for j in range(whole):
-                t = np.int64(s[j])
-                lo, hi = min(lo, t), max(hi, t)
-                t = min(max(t, 0), top - 1)
-                for i in range(5):
-                    bad |= _put(out, prev, 5 * j + i, table[t, i], B, delta)
+                t, b = _group(s, j, 5, table, top, out, prev, B, delta)
+                lo, hi, bad = min(lo, t), max(hi, t), bad | b
         if whole < s.size:  # the last symbol: its first n - whole g digits, the rest padding
             t = np.int64(s[whole])
             lo, hi = min(lo, t), max(hi, t)
-            t = min(max(t, 0), top - 1)
+            row = min(max(t, 0), top - 1)
             for i in range(g):
                 if whole * g + i < n:
-                    bad |= _put(out, prev, whole * g + i, table[t, i], B, delta)
-                elif table[t, i] != 0 and lo >= 0 and hi < top:
+                    bad |= _put(out, prev, whole * g + i, table[row, i], B, delta)
+                elif table[row, i] != 0 and lo >= 0 and hi < top:
                     return 3
         if lo < 0 or hi >= top:
             return 1
