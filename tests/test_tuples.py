@@ -1,4 +1,4 @@
-"""codec/tuples.py (stage tuple/1): codes of 2-5 levels packed a few to a symbol before the coder.
+"""codec/tuples.py (stage tuple/1): codes of 2-32 levels packed a few to a symbol before the coder.
 The numba kernels against the torch reference, the code buffer's flag and its checks, and a real
 chain whose direction codes are packed restoring bit for bit what the unpacked chain restores."""
 import struct
