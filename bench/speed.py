@@ -146,6 +146,13 @@ def raw_bytes(state: dict) -> bytes:
     return b"".join(tensor_to_bytes(t) for t in flatten_state(state).tensors.values())
 
 
+def same_tensors(a: dict, b: dict) -> bool:
+    """Whether two {name: tensor} dicts hold the same names and the same bits (two restores)."""
+    from ckptzip.tensorbytes import same_bits, to_numpy_bits
+
+    return a.keys() == b.keys() and all(same_bits(to_numpy_bits(a[n]), to_numpy_bits(b[n])) for n in a)
+
+
 def measure(states: list[dict], methods: list[str], reps: int, *, chain: bool = True, warmup: bool = True) -> dict:
     """Per method and rep: encode / decode (and with ``chain``: save / restore) seconds (thread
     CPU), and zstd-3's on the same bytes. Checkpoint bytes are built one at a time and dropped:

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 sys.path.insert(1, HERE)
 
 from compare import md_table  # noqa: E402
-from speed import ZSTD_LEVEL, gpt2_states, raw_bytes, small_states  # noqa: E402
+from speed import ZSTD_LEVEL, gpt2_states, raw_bytes, same_tensors, small_states  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -51,6 +51,7 @@ def main(argv=None) -> None:
 
     from ckptzip.chain import CheckpointChain
     from ckptzip.codec import tuples
+    from ckptzip.dcp.tools import flat_tensors
 
     states = torch.load(args.states, weights_only=False) if args.states else gpt2_states(args.gpt2) if args.gpt2 \
         else small_states(6, 8, n_embd=args.width, n_layer=args.layers)
@@ -97,9 +98,7 @@ def main(argv=None) -> None:
         if rep:
             times["zstd-3"].append(t2 - t)
             times["unzstd-3"].append(time.thread_time() - t2)
-        a, b = got[True].flat.tensors, got[False].flat.tensors
-        assert a.keys() == b.keys() and all(torch.equal(a[n].reshape(-1).view(torch.uint8),
-                                                        b[n].reshape(-1).view(torch.uint8)) for n in a), "restores differ"
+        assert same_tensors(got[True].flat.tensors, got[False].flat.tensors), "restores differ"
     z, uz = statistics.median(times["zstd-3"]), statistics.median(times["unzstd-3"])
     rows = []
     for what in ("save", "restore"):
@@ -108,7 +107,7 @@ def main(argv=None) -> None:
             base = z if what == "save" else uz
             rows.append([f"{what}, {kind}", f"{1e3 * statistics.median(v):.1f}", f"{1e3 * min(v):.1f}",
                          f"{statistics.median(v) / base:.2f}x"])
-    model = {t.data_ptr(): t.numel() for n, t in _flat(states[0]) if n.startswith("model")}  # tied: once
+    model = {t.data_ptr(): t.numel() for n, t in flat_tensors(states[0]) if n.startswith("model")}  # tied: once
     n_params = sum(model.values())
     print(f"\n### dynaquant, {len(states)} checkpoints ({n_params / 1e6:.2f}M parameters), {args.reps} paired "
           f"repetitions; restore: step {len(states)} from its keyframe; packed from {packing[0]} codes (B <= 5), "
@@ -121,17 +120,6 @@ def main(argv=None) -> None:
               f"{statistics.median(times[f'{what} packed']) / statistics.median(times[f'{what} plain']):.3f}x the time")
     print(f"\nbytes: packed {nbytes[True]:,}, plain {nbytes[False]:,} ({100 * (nbytes[True] / nbytes[False] - 1):+.2f} %); "
           f"zstd-3 {sum(len(f) for f in frames):,} ms {1e3 * z:.1f}")
-
-
-def _flat(obj, prefix=""):
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _flat(v, f"{prefix}/{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _flat(v, f"{prefix}/{i}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 
 from ckptzip import CheckpointChain, KeyframePolicy
 from ckptzip.codec import entropy, rans, tuples
+from ckptzip.dcp.tools import flat_tensors
 from ckptzip.errors import CorruptCheckpointError
 from ckptzip.format import decode_container
 
@@ -169,7 +170,7 @@ def test_a_chain_with_packed_codes_restores_what_the_unpacked_chain_does(tmp_pat
                    for s in snaps[:4]]
         pipes = {tuple(r["pipeline"]) for e in entries
                  for r in decode_container(ch.storage.read(e.file)).manifest["records"].values()}
-        restored = [torch.cat([t.reshape(-1).double() for t in _tensors(ch.load(e.step))]) for e in entries]
+        restored = [torch.cat([t.reshape(-1).double() for _, t in flat_tensors(ch.load(e.step))]) for e in entries]
         return restored, pipes, sum(e.nbytes for e in entries)
 
     default, pipes, nbytes = run(tmp_path / "default", tuples.SMALL_CODES, tuples.PAIRED_CODES)
@@ -182,17 +183,6 @@ def test_a_chain_with_packed_codes_restores_what_the_unpacked_chain_does(tmp_pat
     assert nbytes <= plain_nbytes * 1.01
     for a, b, c in zip(default, everything, plain):
         assert torch.equal(a, c) and torch.equal(b, c)  # lossless: the same restores, bit for bit
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 # FORMAT.md M.3's example: 11 codes of 3 levels, packed (flags 0x38: rans, packed), as 4 symbols

@@ -209,7 +209,7 @@ def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, in
             prev, cur, B, options = jobs[i]
             if options.get("tuples", False):
                 try:
-                    syms.append(_tuples.pack(to_numpy_bits(cur), B, prev=None if prev is None else to_numpy_bits(prev)))
+                    syms.append(_tuples.pack(cur, B, prev=prev))  # CPU tensors: read in place
                 except ValueError:  # a code outside [0, B): encode_codes below says so
                     continue
                 levels.append(B ** _tuples.size(B))

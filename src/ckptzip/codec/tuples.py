@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
+from . import delta as _delta
+from .rle import _use_numba  # the codec's backend check: "auto", "numba" (CPU only) or "torch"
 
 try:  # optional fast path
     import numba as _numba
@@ -60,18 +62,6 @@ def min_codes(B: int) -> int:
     return SMALL_CODES if B <= 5 else PAIRED_CODES
 
 
-def _fast(backend: str, t) -> bool:
-    if backend not in ("auto", "numba", "torch"):
-        raise ValueError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
-    if backend == "numba" and _numba is None:
-        raise RuntimeError("backend='numba' needs numba")
-    return backend != "torch" and _numba is not None and (not isinstance(t, torch.Tensor) or t.device.type == "cpu")
-
-
-def _np(x) -> np.ndarray:
-    return (x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)).reshape(-1)
-
-
 def pack(codes, B: int, *, prev=None, backend: str = "auto") -> np.ndarray:
     """Flat codes in ``[0, B)`` (numpy or torch, any integer dtype), or their cyclic delta
     ``(prev - codes) mod B`` against ``prev`` (as many codes in [0, B)) -> the symbols (module
@@ -79,26 +69,28 @@ def pack(codes, B: int, *, prev=None, backend: str = "auto") -> np.ndarray:
     g = size(B)
     if g < 2:
         raise ValueError(f"an alphabet of {B} codes is not packed (tuples.size({B}) == 1)")
-    n = codes.numel() if isinstance(codes, torch.Tensor) else np.size(codes)
-    if prev is not None and (prev.numel() if isinstance(prev, torch.Tensor) else np.size(prev)) != n:
+    c = torch.as_tensor(codes).reshape(-1)  # numpy: a view
+    p = None if prev is None else torch.as_tensor(prev).reshape(-1)
+    n = c.numel()
+    if p is not None and p.numel() != n:
         raise ValueError(f"a delta needs prev of the codes' size {n}")
-    if _fast(backend, codes) and (prev is None or _fast(backend, prev)):
-        c = _np(codes)
-        if prev is not None:
-            d = np.empty(n, dtype=np.uint8)  # B <= 32
-            if not _delta_kernel(c, _np(prev), B, d):
+    if _use_numba(backend, c) and (p is None or _use_numba(backend, p)):
+        x = c.numpy()
+        if p is not None:
+            x = np.empty(n, dtype=np.uint8)  # B <= 32
+            if not _delta._delta_kernel(p.numpy(), c.numpy(), B, x):
                 raise ValueError(f"codes outside [0, {B}) cannot be packed")
-            c = d
         out = np.empty(-(-n // g), dtype=symbol_dtype(B))
-        if not _pack_kernel(c, B, g, out):
+        if not _pack_kernel(x, B, g, out):
             raise ValueError(f"codes outside [0, {B}) cannot be packed")
         return out
-    c = torch.as_tensor(codes).reshape(-1).to(torch.int64)
-    for t in (c,) if prev is None else (c, torch.as_tensor(prev).reshape(-1).to(torch.int64)):
+    c = c.to(torch.int64)
+    p = None if p is None else p.to(torch.int64)
+    for t in (c,) if p is None else (c, p):
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= B):
             raise ValueError(f"codes outside [0, {B}) cannot be packed")
-    if prev is not None:
-        c = torch.remainder(torch.as_tensor(prev).reshape(-1).to(torch.int64) - c, B)
+    if p is not None:
+        c = torch.remainder(p - c, B)
     c = torch.cat([c, c.new_zeros(-c.numel() % g)]).view(-1, g)
     weights = B ** torch.arange(g, dtype=torch.int64, device=c.device)
     return (c * weights).sum(1).cpu().numpy().astype(symbol_dtype(B))
@@ -120,7 +112,7 @@ def unpack(symbols, n: int, B: int, *, prev=None, backend: str = "auto") -> torc
     p = None if prev is None else torch.as_tensor(prev).reshape(-1)
     if p is not None and p.numel() != n:
         raise ValueError(f"a delta needs prev of {n} codes, got {p.numel()}")
-    if _fast(backend, s) and (p is None or _fast(backend, p)):
+    if _use_numba(backend, s) and (p is None or _use_numba(backend, p)):
         out = np.empty(n, dtype=np.uint8)
         status = _unpack_kernel(s.numpy(), B, g, out, out if p is None else p.numpy(), p is not None)
         codes = torch.from_numpy(out)
@@ -147,17 +139,6 @@ def unpack(symbols, n: int, B: int, *, prev=None, backend: str = "auto") -> torc
 
 
 if _numba is not None:
-    @_numba.njit(cache=True, nogil=True)
-    def _delta_kernel(c, p, B, out):  # pragma: no cover - compiled
-        """out = (p - c) mod B -> False on a code outside [0, B) (branch-free: it vectorizes)."""
-        bad = False
-        for i in range(c.size):
-            x, q = np.int64(c[i]), np.int64(p[i])  # widened first: numba's narrow arithmetic wraps
-            bad |= (x < 0) | (x >= B) | (q < 0) | (q >= B)
-            d = q - x
-            out[i] = d + (B & (d >> 63))
-        return not bad
-
     @_numba.njit(cache=True, nogil=True)
     def _pack_kernel(c, B, g, out):  # pragma: no cover - compiled
         """out[j] = the j-th group's digits (the last group zero-padded) -> False on a code outside
@@ -254,4 +235,4 @@ if _numba is not None:
             return 1
         return 2 if bad else 0
 else:  # pragma: no cover
-    _delta_kernel = _pack_kernel = _unpack_kernel = None
+    _pack_kernel = _unpack_kernel = None
