@@ -342,3 +342,85 @@ def test_sqrt_rn_is_correctly_rounded_and_decodes_adam():
     hp = M.AdamHP(step=7)
     assert torch.equal(adam_denominator(x, 7), sqrt_rn(x / hp.bc2) + hp.eps)
     assert torch.equal(M.denominator(x, hp), sqrt_rn(x / hp.bc2) + hp.eps)
+
+
+def _grid_records(step: float, factored: bool):
+    """(qm, qv, codes of v, hp) of random Adam pairs on a grid of ``step``: every pair has exact
+    zeros (v's zero level) and a wide range of v."""
+    g = torch.Generator().manual_seed(11)
+    pairs = []
+    for n in (1000, 333, 70_000):
+        m, v = torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) ** 8 * 1e-4
+        m[:7], v[:7] = 0, 0
+        pairs.append((m.reshape(-1, 1) if factored else m, v.reshape(-1, 1) if factored else v, M.AdamHP(step=5)))
+    codec = M.GridCodec(v_step=step, factored=factored)
+    return [(qm, qv, c, hp) for (qm, qv, c), (*_, hp) in zip(M.encode_pairs_levels(pairs, codec), pairs)]
+
+
+@pytest.mark.skipif(not M.K.HAVE_NUMBA, reason="the table kernels need numba")
+@pytest.mark.parametrize("step", [2.0, 0.5, 0.37, 1 / 3])
+@pytest.mark.parametrize("factored", [False, True])
+def test_decode_tables_give_the_elementwise_floats(step, factored):
+    """decode_v's per-level tables and decode_pair's direction pass by v's codes (momentkernels
+    level_values, direction_by_level) against the elementwise float64 maps and the per-element D
+    with the masked write, bit for bit, for uint8 and int64 codes. At steps 0.5 and 0.37 float64
+    exp2 differs between torch's vectorized and scalar paths on some levels; fp32 rounds it away."""
+    for qm, qv, c, hp in _grid_records(step, factored):
+        D = M.decode_denominator(qv, hp, c)
+        want_v = M.v_from_denominator(D, hp, qv.shape)
+        want_m = M.dequantize_m(qm, D)
+        want_m.reshape(-1)[c.reshape(-1) == 0] = 0
+        assert int((c == 0).sum()) >= 7 and bool((want_m == 0).any())
+        for codes in (c.to(torch.int64), c.to(torch.uint8)) if int(c.max()) < 256 else (c.to(torch.int64),):
+            v, none, table = M.decode_v(qv, hp, codes)
+            assert none is None and table is not None and table.dtype == torch.float32
+            assert torch.equal(v.view(torch.int32), want_v.view(torch.int32))
+            m = M.dequantize_m(qm, None, v_codes=codes, d_table=table)
+            assert torch.equal(m.view(torch.int32), want_m.view(torch.int32))
+        m, v = M.decode_pair(qm, qv, hp)
+        assert torch.equal(m.view(torch.int32), want_m.view(torch.int32)) and torch.equal(v, want_v)
+
+
+@pytest.mark.skipif(not M.K.HAVE_NUMBA, reason="the table kernels need numba")
+def test_decode_tables_fall_back_where_torchs_paths_differ(monkeypatch):
+    """A table is kept only if every level's D is the same alone (torch's scalar tail) and in whole
+    vectors: a map whose scalar path differs gets no table, and decode_v computes per element."""
+    qm, qv, c, hp = _grid_records(0.5, False)[2]
+    exact = M._d_map
+
+    def scalar_differs(step, eps):  # a lone element a few fp32 ulps off, as a scalar exp2 could be
+        f = exact(step, eps)
+        return lambda w: f(w).mul_(1 + 2 ** -20) if w.numel() == 1 else f(w)
+
+    monkeypatch.setattr(M, "_d_map", scalar_differs)
+    M._level_tables.cache_clear()
+    try:
+        assert M._level_tables(0.5, hp.eps, hp.bc2, 64) is None
+        v, D, table = M.decode_v(qv, hp, c)
+        assert table is None and D is not None and torch.equal(v, M.v_from_denominator(D, hp, qv.shape))
+    finally:
+        M._level_tables.cache_clear()
+
+
+@pytest.mark.skipif(not M.K.HAVE_NUMBA, reason="the table kernels need numba")
+def test_decode_tables_refuse_codes_past_them(monkeypatch):
+    """A code past the tables (a top the caller got wrong, a negative int64) raises, and reads
+    nothing past them; the torch path of dequantize_m by level gives the kernel's floats."""
+    qm, qv, c, hp = _grid_records(2.0, False)[0]
+    for bad in (70, -1):
+        codes = c.to(torch.int64).clone()
+        codes[3] = bad
+        with pytest.raises(ValueError, match="outside the 64 levels"):
+            M.decode_v(qv, hp, codes, top=5)
+    _, _, table = M.decode_v(qv, hp, c)
+    codes = c.to(torch.int64)
+    codes[3] = table.numel()
+    with pytest.raises(ValueError, match="exp_avg_sq codes outside"):
+        M.dequantize_m(qm, None, v_codes=codes, d_table=table)
+    with pytest.raises(ValueError, match="needs the codes"):
+        M.dequantize_m(qm, None, d_table=table)
+    got = {}
+    for use in (True, False):
+        monkeypatch.setattr(M, "_use_kernels", lambda x, u=use: u)
+        got[use] = M.dequantize_m(qm, None, v_codes=c, d_table=table)
+    assert torch.equal(got[True].view(torch.int32), got[False].view(torch.int32))

@@ -214,15 +214,16 @@ if HAVE_NUMBA:
 
     @_numba.njit(cache=True, nogil=True)
     def _undo_kernel(prev, delta, n_levels, out):  # pragma: no cover - compiled
-        """out = (prev - D) mod B for in-range inputs; False sends the caller to the general mod."""
+        """out = (prev - D) mod B for in-range inputs; False sends the caller to the general mod.
+        Branch-free, as _delta_kernel."""
+        bad = False
         for i in range(out.shape[0]):
             p = np.int64(prev[i])
             d = np.int64(delta[i])
-            if p < 0 or p >= n_levels or d < 0 or d >= n_levels:
-                return False
+            bad |= (p < 0) | (p >= n_levels) | (d < 0) | (d >= n_levels)
             c = p - d
-            out[i] = c + n_levels if c < 0 else c
-        return True
+            out[i] = c + (n_levels & (c >> 63))
+        return not bad
 
     @_numba.njit(cache=True, nogil=True)
     def _grouped_delta_kernel(prev, cur, n_levels, starts, out):  # pragma: no cover - compiled

@@ -282,7 +282,7 @@ def decode_moments(encoded: Encoded, records: Mapping[str, TensorRecord], prev: 
     method (whether the next file's moments are deltas against this one); ``weight_shapes``:
     parameter -> its weight's shape, to refuse a moment record inconsistent with its weight."""
     codes, grid_v, pending = {}, {}, []
-    # a v record's (D, levels) is kept only until the last direction record that names it is decoded
+    # a v record's (D, levels, d_table) is kept only until the last direction record that names it is decoded
     # (each m right after its v, or at once when its v came first): holding every v's float32 D to
     # the end was 4 bytes an element of every exp_avg_sq at the restore's peak
     users, waiting, directions = Counter(), {}, {}
@@ -338,7 +338,7 @@ def decode_moments(encoded: Encoded, records: Mapping[str, TensorRecord], prev: 
 
 
 def _load_v(enc: Encoded, name: str, rec: TensorRecord, parent: qrecord.Codes | None):
-    """(v, (D_q, levels), levels as the next reference) of one grid record."""
+    """(v, (D_q, levels, d_table): M.decode_v's denominator, levels as the next reference) of one grid record."""
     meta = enc.records[name]["meta"]
     try:
         a = meta["adam"]
@@ -352,10 +352,12 @@ def _load_v(enc: Encoded, name: str, rec: TensorRecord, parent: qrecord.Codes | 
         levels = M.decode_grid(q)
     except ValueError as e:
         raise CorruptCheckpointError(f"record {name!r}: {e}") from None
-    D = M.decode_denominator(q, hp, levels)
     n_levels = int(levels.max()) + 1 if levels.numel() else 1
-    return (M.v_from_denominator(D, hp, rec.shape, torch_dtype(rec.dtype)), (D, levels),
-            qrecord.Codes(qrecord.compact(levels, n_levels), n_levels))
+    try:
+        v, D, d_table = M.decode_v(q, hp, levels, top=n_levels - 1, dtype=torch_dtype(rec.dtype))
+    except ValueError as e:
+        raise CorruptCheckpointError(f"record {name!r}: {e}") from None
+    return v.reshape(rec.shape), (D, levels, d_table), qrecord.Codes(qrecord.compact(levels, n_levels), n_levels)
 
 
 def _load_direction(enc: Encoded, name: str, rec: TensorRecord, grid_v: dict) -> torch.Tensor:
@@ -364,19 +366,17 @@ def _load_direction(enc: Encoded, name: str, rec: TensorRecord, grid_v: dict) ->
     if meta.get("v") is not None and dv is None:
         raise CorruptCheckpointError(f"record {name!r} needs its exp_avg_sq record {meta.get('v')!r}, "
                                      "which the file lacks")
-    if dv is not None and dv[0].numel() != rec.numel:
+    if dv is not None and dv[1].numel() != rec.numel:
         raise CorruptCheckpointError(f"record {name!r} has {rec.numel} elements but its exp_avg_sq "
-                                     f"{meta['v']!r} has {dv[0].numel()}")
+                                     f"{meta['v']!r} has {dv[1].numel()}")
     if meta.get("zero"):
         return torch.zeros(tuple(rec.shape), dtype=torch_dtype(rec.dtype))
     q = qrecord.load(enc, name, rec.shape, rec.dtype, None)
-    try:
-        m = M.dequantize_m(q, dv[0] if dv is not None and meta.get("normalized") else None)
+    D, v_codes, d_table = dv if dv is not None else (None, None, None)
+    try:  # 0 where v has its zero level: both moments were exactly zero
+        return M.dequantize_m(q, D if meta.get("normalized") else None, v_codes=v_codes, d_table=d_table)
     except (KeyError, ValueError) as e:
         raise CorruptCheckpointError(f"record {name!r}: {e}") from None
-    if dv is not None:
-        m.reshape(-1)[dv[1] == 0] = 0  # the zero level of v: both moments were exactly zero
-    return m
 
 
 def _denormalize(enc: Encoded, name: str, rec: TensorRecord, out: dict) -> torch.Tensor:

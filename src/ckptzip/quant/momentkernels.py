@@ -14,6 +14,9 @@ once, as the reference computes it, so their results are the reference's bit for
     top = factored_tail(c, a, b, out)       # zigzag(c - (a[row] + b[col])) of a (rows, cols) grid, and its max
     low = factored_levels(z, a, b, out)     # its inverse (decode): unzigzag(z) + a[row] + b[col], and its min
     direction_values(c, levels, scale, group, D, normalized, out)  # decode: levels[c] * scale[i // group] (* D)
+    ok = level_values(c, table, out)              # decode: out = table[c]; False: a code past the table
+    ok = direction_by_level(c, levels, scale, group, vc, d_table, normalized, out)  # direction_values with
+                                            # D = d_table[vc], and 0 where vc == 0; False: a v code past it
 
 Outputs may be narrower than int64 (the caller bounds them): on GPT-2 124M's embedding each int64
 output was 309 MB of fresh pages per save.
@@ -32,7 +35,8 @@ if HAVE_NUMBA:
     import numba as _numba
 
 __all__ = ["HAVE_NUMBA", "grid_kernel", "abs_sample", "order_pairs", "sign_kernel", "factored_tail",
-           "factored_levels", "direction_values"]
+           "factored_levels", "direction_values", "level_values",
+           "direction_by_level"]
 
 if HAVE_NUMBA:
     _EXP = np.uint32(0x7F800000)  # an fp32 whose exponent bits are all set is inf or NaN
@@ -286,5 +290,42 @@ if HAVE_NUMBA:
             for i in range(g0, min(g0 + group, n)):
                 u = levels[np.int64(c[i])] * f
                 out[i] = u * D[i] if normalized else u
+
+    @_numba.njit(cache=True, nogil=True)
+    def level_values(c, table, out):  # pragma: no cover - compiled
+        """out[i] = table[c[i]] in one pass over narrow codes; False where a code is past the table
+        (nothing past it is read). The bound check is one compare, on the code's unsigned value: a
+        negative int64 code fails it too."""
+        size = np.uint64(table.shape[0])
+        bad = False
+        for i in range(c.shape[0]):
+            k = np.uint64(c[i])
+            if k >= size:
+                bad = True
+                k = np.uint64(0)
+            out[i] = table[k]
+        return not bad
+
+    @_numba.njit(cache=True, nogil=True)
+    def direction_by_level(c, levels, scale, group, vc, d_table, normalized, out):  # pragma: no cover - compiled
+        """direction_values with D[i] = d_table[vc[i]] (v's codes and its denominator's value per
+        level: no tensor of D) and then 0 where vc[i] == 0, the zero level of v (both moments were
+        exactly zero), as the reference's masked write does; False where a code of v is past d_table."""
+        n, size = c.shape[0], np.uint64(d_table.shape[0])
+        bad = False
+        zero = np.float32(0)
+        for g0 in range(0, n, group):
+            f = scale[g0 // group]
+            for i in range(g0, min(g0 + group, n)):
+                k = np.uint64(vc[i])
+                if k >= size:
+                    bad = True
+                    k = np.uint64(0)
+                u = levels[np.int64(c[i])] * f
+                if normalized:
+                    u = u * d_table[k]
+                out[i] = u if k else zero
+        return not bad
 else:  # pragma: no cover
     grid_kernel = abs_sample = order_pairs = sign_kernel = factored_tail = factored_levels = direction_values = None
+    level_values = direction_by_level = None

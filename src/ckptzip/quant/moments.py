@@ -254,12 +254,68 @@ def decode_denominator(q: QuantizedTensor, hp: AdamHP, codes: torch.Tensor | Non
     """D_q = eps * 2**(c * step), flat fp32 (c = 0: D = eps, i.e. v = 0); ``codes``: decode_grid(q)."""
     c = decode_grid(q) if codes is None else codes
     step = float(q.meta["step"])
-    return _map_f64(c, lambda w: w.mul_(step).exp2_().mul_(hp.eps), torch.float32)
+    return _map_f64(c, _d_map(step, hp.eps), torch.float32)
 
 
 def v_from_denominator(D: torch.Tensor, hp: AdamHP, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """v = (D - eps)^2 * (1 - beta2^t): the exp_avg_sq Adam will read."""
-    return _map_f64(D, lambda w: w.sub_(hp.eps).clamp_min_(0).square_().mul_(hp.bc2), dtype).reshape(shape)
+    return _map_f64(D, _v_map(hp.eps, hp.bc2), dtype).reshape(shape)
+
+
+def _d_map(step: float, eps: float):
+    return lambda w: w.mul_(step).exp2_().mul_(eps)
+
+
+def _v_map(eps: float, bc2: float):
+    return lambda w: w.sub_(eps).clamp_min_(0).square_().mul_(bc2)
+
+
+def decode_v(q: QuantizedTensor, hp: AdamHP, codes: torch.Tensor | None = None, *, top: int | None = None,
+             dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(v_q in q's shape and ``dtype``, D_q, d_table) of a grid record: v_from_denominator of
+    decode_denominator, the same floats. D_q comes per element (flat fp32, d_table None) or, on the
+    CPU where exact (_level_tables), as its value per level (D_q = d_table[codes], D_q None), which
+    dequantize_m reads without a tensor of D. ``codes``: decode_grid(q); ``top``: their max where
+    the caller has it. The tables took GPT-2 124M's restore from two float64 maps over its v (one
+    with exp2) and a fresh fp32 D to one lookup pass."""
+    c = decode_grid(q) if codes is None else codes
+    tables = None
+    if _use_kernels(c) and c.is_contiguous() and dtype == torch.float32 and c.numel():
+        if top is None:
+            top = np.iinfo(np.uint8).max if c.dtype == torch.uint8 else int(c.max())
+        if top < _TABLE_LEVELS:
+            tables = _level_tables(float(q.meta["step"]), hp.eps, hp.bc2, max(64, 1 << top.bit_length()))
+    if tables is None:
+        D = decode_denominator(q, hp, c)
+        return v_from_denominator(D, hp, q.shape, dtype), D, None
+    v = torch.empty(c.numel(), dtype=torch.float32)
+    if not K.level_values(c.reshape(-1).numpy(), tables[1].numpy(), v.numpy()):
+        raise ValueError(f"grid codes outside the {tables[1].numel()} levels of the decode tables")
+    return v.reshape(q.shape), None, tables[0]
+
+
+# grid levels that decode through tables (GridCodec's levels: ~64 at the default step); past them,
+# the elementwise maps
+_TABLE_LEVELS = 1 << 12
+# copies of each level in the tables' vector-path probe: whole SIMD loops at any width torch has
+_PROBE_COPIES = 64
+
+
+@functools.lru_cache(maxsize=64)
+def _level_tables(step: float, eps: float, bc2: float, size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """decode_denominator's and v_from_denominator's fp32 values of the levels 0..size-1, or None
+    where they are not what the elementwise maps give every element. torch's vectorized body and
+    scalar tail of a kernel are different code (float64 exp2: SLEEF or libm, which differ in the
+    last bit for ~7 % of inputs), so an element's D depends on where it sits in the tensor. The
+    table is kept only if each level's D is the same on both paths: each level alone (the scalar
+    tail) against each level in whole vectors. The rest is IEEE arithmetic, the same on either path."""
+    levels = torch.arange(size, dtype=torch.float64)
+    d_map = _d_map(step, eps)
+    wide = _map_f64(levels.repeat_interleave(_PROBE_COPIES), d_map, torch.float32).view(size, _PROBE_COPIES)
+    alone = torch.cat([_map_f64(levels[i:i + 1], d_map, torch.float32) for i in range(size)])
+    if not (wide == alone[:, None]).all():
+        return None
+    return alone, _map_f64(alone, _v_map(eps, bc2), torch.float32)
 
 
 # bytes of a batch's fp32 / int32 temporaries kept per thread between saves (codec/scratch.py): a
@@ -460,27 +516,43 @@ def _quantile_reference(x: torch.Tensor, q: float) -> torch.Tensor:
     return torch.lerp(a, torch.kthvalue(x, lo + 2).values, pos - lo)
 
 
-def dequantize_m(q: QuantizedTensor, D: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """m_q = levels[code] * scale[group] (* D_q when normalized)."""
+def dequantize_m(q: QuantizedTensor, D: torch.Tensor | None, dtype: torch.dtype | None = None, *,
+                 v_codes: torch.Tensor | None = None, d_table: torch.Tensor | None = None) -> torch.Tensor:
+    """m_q = levels[code] * scale[group] (* D_q when normalized), then 0 where ``v_codes`` (v's grid
+    codes, if given) has the zero level: there both moments were exactly zero. D_q per element, or
+    (``d_table``, with ``v_codes``) as its value per level of v, decode_v's second form."""
     group = int(q.meta["group"])
     n = q.numel
+    normalized = bool(q.meta.get("normalized"))
     s = q.side.get("scale")
     if s is None or s.numel() != -(-n // group):
         raise ValueError(f"{n} codes in groups of {group} need {-(-n // group)} scales, "
                          f"found {None if s is None else s.numel()}")
-    if q.meta.get("normalized") and D is None:
+    if d_table is not None and v_codes is None:
+        raise ValueError("a denominator by level needs the codes of its exp_avg_sq")
+    if normalized and D is None and d_table is None:
         raise ValueError("a normalized exp_avg needs the decoded denominator of its exp_avg_sq")
-    if q.meta.get("normalized") and D.numel() != n:
+    if normalized and D is not None and D.numel() != n:
         raise ValueError(f"{n} direction codes normalized by a denominator of {D.numel()} values")
+    if v_codes is not None and v_codes.numel() != n:
+        raise ValueError(f"{n} direction codes beside {v_codes.numel()} codes of their exp_avg_sq")
     c, levels = q.codes.reshape(-1), q.codebook.to(torch.float32)
-    if _use_kernels(c) and c.is_contiguous() and c.numel() == n and (D is None or D.device.type == "cpu"):
+    vc = v_codes.reshape(-1) if v_codes is not None else None
+    if _use_kernels(c) and c.is_contiguous() and c.numel() == n and (D is None or D.device.type == "cpu") \
+            and (vc is None or (vc.device.type == "cpu" and vc.is_contiguous())):
         lo, hi = (int(x) for x in torch.aminmax(c)) if n else (0, 0)
         if not 0 <= lo <= hi < levels.numel():
             raise ValueError(f"direction codes outside the {levels.numel()} levels")
         u = torch.empty(n, dtype=torch.float32)  # one pass over narrow codes (quant/momentkernels.py)
-        Dn = D.reshape(-1).to(torch.float32).contiguous() if q.meta.get("normalized") else u[:0]
-        K.direction_values(c.numpy(), levels.contiguous().numpy(), s.reshape(-1).float().contiguous().numpy(),
-                           group, Dn.numpy(), bool(q.meta.get("normalized")), u.numpy())
+        args = (c.numpy(), levels.contiguous().numpy(), s.reshape(-1).float().contiguous().numpy(), group)
+        if d_table is not None:
+            if not K.direction_by_level(*args, vc.numpy(), d_table.contiguous().numpy(), normalized, u.numpy()):
+                raise ValueError(f"exp_avg_sq codes outside the {d_table.numel()} levels of the decode table")
+        else:
+            Dn = D.reshape(-1).to(torch.float32).contiguous() if normalized else u[:0]
+            K.direction_values(*args, Dn.numpy(), normalized, u.numpy())
+            if vc is not None:
+                u[vc == 0] = 0
         return u.to(dtype or torch_dtype(q.dtype)).reshape(q.shape)
     u = levels[c.long()]  # a fresh tensor: scaled in place
     sf = s.to(u.device, torch.float32)
@@ -488,8 +560,10 @@ def dequantize_m(q: QuantizedTensor, D: torch.Tensor | None, dtype: torch.dtype 
     u[:full].view(-1, group).mul_(sf[:full // group, None])
     if full < n:
         u[full:].mul_(sf[-1])
-    if q.meta.get("normalized"):
-        u.mul_(D.reshape(-1).to(u.device))
+    if normalized:
+        u.mul_((d_table.to(u.device)[vc.long()] if d_table is not None else D.reshape(-1)).to(u.device))
+    if vc is not None:
+        u[vc.to(u.device) == 0] = 0
     return u.to(dtype or torch_dtype(q.dtype)).reshape(q.shape)
 
 
@@ -613,10 +687,7 @@ def decode_pair(qm: QuantizedTensor | None, qv: QuantizedTensor, hp: AdamHP, m_d
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(m, v) in their stored dtypes: v first, then m from the decoded denominator (zeros if qm is None)."""
     c = decode_grid(qv)
-    D = decode_denominator(qv, hp, c)
-    v = v_from_denominator(D, hp, qv.shape, torch_dtype(qv.dtype))
+    v, D, d_table = decode_v(qv, hp, c, dtype=torch_dtype(qv.dtype))
     if qm is None:
         return torch.zeros(qv.shape, dtype=torch_dtype(m_dtype)), v
-    m = dequantize_m(qm, D)
-    m.reshape(-1)[c == 0] = 0  # the zero level of v is where both moments were exactly zero
-    return m, v
+    return dequantize_m(qm, D, v_codes=c, d_table=d_table), v
