@@ -117,8 +117,8 @@ def test_pipeline_bytes_of_narrow_codes_equal_int64(real_codes, rearrange, rle, 
                 encode_codes(None, cur, levels, rle=rle, coder=coder)
             buf = encode_codes(prev.to(dtype), cur.to(dtype), levels, rearrange=rearrange, rle=rle, coder=coder)
             assert buf == encode_codes(prev, cur, levels, rearrange=rearrange, rle=rle, coder=coder)
-            got = decode_codes(buf, prev.to(dtype))
-            assert got.dtype == torch.int64 and torch.equal(got, cur)
+            got = decode_codes(buf, prev.to(dtype))  # a plain delta's codes come back narrow
+            assert got.dtype == (torch.int64 if rearrange else torch.uint8) and torch.equal(got.long(), cur)
 
 
 # --------------------------------------------------------------------------- rearrangement
@@ -220,8 +220,8 @@ def test_pipeline_round_trip_on_real_quantized_checkpoints(real_codes, rearrange
         for i in (1, 5, 9):                                     # early, middle, late pairs
             prev, cur = seq[i - 1], seq[i]
             buf = encode_codes(prev, cur, 16, rearrange=rearrange, rle=rle, coder=coder)
-            got = decode_codes(buf, prev)
-            assert got.dtype == torch.int64 and torch.equal(got, cur), name
+            got = decode_codes(buf, prev)  # a plain delta's codes come back narrow
+            assert got.dtype == (torch.int64 if rearrange else torch.uint8) and torch.equal(got.long(), cur), name
             total += cur.numel()
     assert total == 3 * sum(seq[0].numel() for seq in real_codes.values())
 
@@ -404,3 +404,26 @@ def test_conditional_bits_equals_its_torch_reference(real_codes):
             assert E.conditional_bits(prev.to(dtype), cur.to(dtype), B) == want
     with pytest.raises(ValueError, match="outside"):
         E.conditional_bits(torch.tensor([0, 5]), torch.tensor([1, 1]), 4)
+
+
+@pytest.mark.skipif(not D.HAVE_NUMBA, reason="the kernel needs numba")
+def test_undo_in_range_is_undo_narrowed_and_refuses_what_is_out_of_range(real_codes):
+    """A restore's plain delta: undo_cyclic_delta's codes as uint8 in one range-checking pass, or
+    None (the caller checks and names the code) for a code outside [0, B), a negative one, or more
+    than 256 levels; decode_codes then names a bad previous code as before."""
+    seq = real_codes["fc1.weight"]
+    prev, cur = seq[4], seq[5]
+    delta = D.cyclic_delta(prev, cur, 16)
+    for p, d in ((prev, delta), (prev.to(torch.uint8), delta.to(torch.uint8)), (prev.to(torch.int16), delta)):
+        got = D.undo_in_range(p, d, 16)
+        assert got.dtype == torch.uint8 and torch.equal(got.long(), cur)
+    for bad, where in ((16, "delta"), (-1, "delta"), (16, "prev"), (-3, "prev")):
+        p, d = prev.clone(), delta.clone()
+        (d if where == "delta" else p)[7] = bad
+        assert D.undo_in_range(p, d, 16) is None
+    assert D.undo_in_range(prev, delta, 300) is None
+    buf = encode_codes(prev, cur, 16)
+    bad = prev.clone()
+    bad[3] = 40
+    with pytest.raises(ValueError, match=r"prev\w* codes span \[0, 40\]"):
+        decode_codes(buf, bad)

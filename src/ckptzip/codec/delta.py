@@ -87,6 +87,18 @@ def undo_cyclic_delta(prev: torch.Tensor, delta: torch.Tensor, n_levels: int, *,
     return torch.remainder(prev.to(wide) - delta.to(wide), n_levels).to(delta.dtype)  # general mod for any input
 
 
+def undo_in_range(prev: torch.Tensor, delta: torch.Tensor, n_levels: int) -> torch.Tensor | None:
+    """:func:`undo_cyclic_delta` of flat CPU codes as uint8 (``n_levels`` <= 256), in the kernel's
+    one pass that range-checks both inputs; None where it does not run (other devices, no numba,
+    more levels) or finds a code outside [0, n_levels): the caller checks and names it. A restore's
+    plain delta streams decode so: an int64 result was 8 fresh bytes a code, the aminmax and
+    prev-range passes before it two more reads (GPT-2 124M's embedding: 38.6M codes of 34 levels)."""
+    if n_levels > 256 or delta.numel() != prev.numel() or not _use_numba("auto", delta, prev):
+        return None
+    out = np.empty(delta.numel(), dtype=np.uint8)
+    return torch.from_numpy(out) if _undo_kernel(prev.numpy(), delta.numpy(), n_levels, out) else None
+
+
 # --------------------------------------------------------------------------- rearrangement
 def rearrange(delta: torch.Tensor, prev: torch.Tensor, n_levels: int, *,
               backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:

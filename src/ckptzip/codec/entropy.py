@@ -253,7 +253,8 @@ def read_codes_header(buf) -> dict:
 
 def decode_codes(buf, prev_codes: torch.Tensor | None = None, n_levels: int | None = None, *,
                  device: torch.device | str | None = None, symbols: np.ndarray | None = None) -> torch.Tensor:
-    """Inverse of :func:`encode_codes` -> (n,) codes: int64, uint8 from a packed stream (tuple/1).
+    """Inverse of :func:`encode_codes` -> (n,) codes: int64, or uint8 from a packed stream (tuple/1)
+    and from a plain delta of at most 256 levels on the CPU.
 
     ``prev_codes``: the previous checkpoint's codes, required exactly when the buffer is a delta.
     ``n_levels``: optional check against the recorded B. The result lives on ``device``, else on
@@ -286,6 +287,10 @@ def decode_codes(buf, prev_codes: torch.Tensor | None = None, n_levels: int | No
         stream = _rle.rle_decode(stream, n)
     elif stream.numel() != n:
         raise CorruptCheckpointError(f"code stream holds {stream.numel()} symbols, header says {n}")
+    if not h["tuples"] and h["delta"] and not h["rearrange"] and stream.numel() == n:
+        got = _delta.undo_in_range(prev, stream, levels)  # both range-checked in the pass
+        if got is not None:
+            return got
     if not h["tuples"]:
         lo, hi = (int(v) for v in torch.aminmax(stream)) if n else (0, 0)
         if lo < 0 or hi >= levels:
