@@ -245,3 +245,19 @@ def test_dynaquant_chain_with_the_rans_coder(tmp_path, digits_snapshots):
     assert weights and all(p[-1] == "rans/1" for p in weights)
     for step in (1, 3):
         assert_same(chains["rans"].load(step), chains["zstd"].load(step))
+
+
+@pytest.mark.parametrize("backend", ["numba", "numpy"] if R.HAVE_NUMBA else ["numpy"])
+def test_narrow_decode_is_uint8_where_every_value_fits(backend):
+    """``narrow=True`` decodes a stream of values in [0, 255] to uint8 (the restore's order-0 code
+    streams: 1 fresh byte a code, not 8) and any other stream to int64, the same values; so does
+    decode_codes for an order-0 rANS code stream."""
+    g = np.random.default_rng(5)
+    for x, want in ((g.integers(0, 34, 70_001), np.uint8), (g.integers(0, 256, 999), np.uint8),
+                    (g.integers(0, 300, 999), np.int64), (g.integers(-3, 9, 999), np.int64)):
+        got = R.rans_decode(R.rans_encode(x), backend=backend, narrow=True)
+        assert got.dtype == want and np.array_equal(got.astype(np.int64), x)
+        assert R.rans_decode(R.rans_encode(x), backend=backend).dtype == np.int64
+    codes = torch.from_numpy(g.integers(0, 34, 5000))
+    got = E.decode_codes(E.encode_codes(None, codes, 34, coder="rans", rle=False))
+    assert got.dtype == torch.uint8 and torch.equal(got.long(), codes)

@@ -253,8 +253,9 @@ def read_codes_header(buf) -> dict:
 
 def decode_codes(buf, prev_codes: torch.Tensor | None = None, n_levels: int | None = None, *,
                  device: torch.device | str | None = None, symbols: np.ndarray | None = None) -> torch.Tensor:
-    """Inverse of :func:`encode_codes` -> (n,) codes: int64, or uint8 from a packed stream (tuple/1)
-    and from a plain delta of at most 256 levels on the CPU.
+    """Inverse of :func:`encode_codes` -> (n,) codes: int64, or uint8 where they fit (always from a
+    packed stream, tuple/1; from an order-0 rANS stream of values up to 255 and from a plain delta
+    of at most 256 levels on the CPU).
 
     ``prev_codes``: the previous checkpoint's codes, required exactly when the buffer is a delta.
     ``n_levels``: optional check against the recorded B. The result lives on ``device``, else on
@@ -269,7 +270,11 @@ def decode_codes(buf, prev_codes: torch.Tensor | None = None, n_levels: int | No
         raise ValueError("this buffer is a delta: pass the previous checkpoint's codes as prev_codes")
     if device is None:
         device = prev_codes.device if prev_codes is not None else "cpu"
-    if symbols is None:
+    if symbols is None and h["coder"] == "rans" and not h["rle"]:
+        from .rans import rans_decode  # codes of at most 256 values as uint8: 1 fresh byte a code, not 8
+
+        symbols = rans_decode(body, narrow=True)
+    elif symbols is None:
         symbols = decode_stream(h["coder"], body)
     stream = torch.from_numpy(symbols).to(device)
     prev = None

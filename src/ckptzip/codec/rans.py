@@ -157,10 +157,11 @@ def rans_encode_codes(curs: list[np.ndarray], n_levels, prevs: list[np.ndarray] 
     return [None if status[s] else seal(view[at[s]:at[s + 1]]) for s in range(n_seg)]
 
 
-def rans_decode(buf, *, backend: str = "auto") -> np.ndarray:
-    """Inverse of :func:`rans_encode` -> 1-D int64 array. Corrupt input: CorruptCheckpointError."""
+def rans_decode(buf, *, backend: str = "auto", narrow: bool = False) -> np.ndarray:
+    """Inverse of :func:`rans_encode` -> 1-D int64 array (``narrow``: uint8 where every value of
+    the stream's alphabet is in [0, 255]). Corrupt input: CorruptCheckpointError."""
     s = _open(buf)
-    return s if isinstance(s, np.ndarray) else _decode_one(s, _pick(backend))
+    return s if isinstance(s, np.ndarray) else _decode_one(s, _pick(backend), narrow)
 
 
 def rans_decode_many(bufs, *, backend: str = "auto", threads: int | None = None) -> list[np.ndarray]:
@@ -244,9 +245,10 @@ def _open(buf):
     return n, values, freqs, lanes, words, P
 
 
-def _decode_one(opened, fast: bool) -> np.ndarray:
+def _decode_one(opened, fast: bool, narrow: bool = False) -> np.ndarray:
     n, values, freqs, lanes, words, P = opened
-    out = np.empty(n, dtype=np.int64)
+    small = narrow and values.size and 0 <= int(values.min()) and int(values.max()) <= 255
+    out = np.empty(n, dtype=np.uint8 if small else np.int64)
     ok = (_decode_kernel if fast else _decode_python)(words, n, lanes, freqs.astype(np.uint64), P, values, out)
     if not ok:
         raise CorruptCheckpointError("rans payload does not decode: truncated, or its states do not end where "
