@@ -15,7 +15,12 @@ The other build is checked out with ``git worktree add --detach`` into a tempora
 removed after; each worker imports its own build's ``src``. The first repetition's files are
 compared: the script says whether both builds wrote the same bytes.
 
+``--restore`` also restores every step of each repetition's chain (a fresh chain object each,
+as a resume does) and times zstd-3's decompress of the same bytes: a second table, and whether
+both builds restored the same tensors, bit for bit.
+
 Run:  .venv/bin/python bench/ab.py 9d5692e                     (dynaquant, 40 repetitions)
+      .venv/bin/python bench/ab.py 2e0d380 --restore --reps 20
       .venv/bin/python bench/ab.py HEAD~3 --method lossless --reps 30
 """
 from __future__ import annotations
@@ -37,9 +42,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def worker(src: str, states_path: str, method: str) -> None:
+def worker(src: str, states_path: str, method: str, restore: str = "0") -> None:
     """One build: a line "go <rep>" on stdin -> one JSON line (save seconds per checkpoint, zstd-3's,
-    the files' SHA-256) on stdout."""
+    the files' SHA-256; with ``restore`` "1" the restore of every step, zstd-3's decompress and the
+    restored tensors' SHA-256) on stdout."""
     sys.path.insert(0, src)
     sys.path.insert(1, HERE)
     torch.set_num_threads(1)
@@ -51,7 +57,10 @@ def worker(src: str, states_path: str, method: str) -> None:
 
     states = torch.load(states_path, weights_only=False)
     raws = [speed.raw_bytes(s) for s in states]
+    from ckptzip.dcp.tools import flat_tensors
+
     cz, fs = zstandard.ZstdCompressor(level=speed.ZSTD_LEVEL), fsspec.filesystem("memory")
+    dz = zstandard.ZstdDecompressor()
     print("ready", flush=True)
     for line in sys.stdin:
         rep = int(line.split()[1])
@@ -63,20 +72,35 @@ def worker(src: str, states_path: str, method: str) -> None:
             ch.save(s, i + 1)
             save.append(time.thread_time() - t)
         files = [hashlib.sha256(fs.cat(f"{url[len('memory://'):]}/{e.file}")).hexdigest() for e in ch.entries()]
+        out = {"save": save, "files": files}
+        if restore == "1":  # every step from a fresh chain object, as a resume does
+            out["restore"], h = [], hashlib.sha256()
+            for i in range(len(states)):
+                t = time.thread_time()
+                got = CheckpointChain(url).restore(i + 1).state
+                out["restore"].append(time.thread_time() - t)
+                for _, x in flat_tensors(got):
+                    h.update(x.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            out["restored"] = h.hexdigest()
         fs.rm(url[len("memory://"):], recursive=True)
-        zstd = []
+        out["zstd"], out["unzstd"] = [], []
         for r in raws:
             t = time.thread_time()
-            cz.compress(r)
-            zstd.append(time.thread_time() - t)
-        print(json.dumps({"save": save, "zstd": zstd, "files": files}), flush=True)
+            z = cz.compress(r)
+            out["zstd"].append(time.thread_time() - t)
+            if restore == "1":
+                t = time.thread_time()
+                dz.decompress(z)
+                out["unzstd"].append(time.thread_time() - t)
+        print(json.dumps(out), flush=True)
 
 
-def start(src: str, states_path: str, method: str, cache: str) -> subprocess.Popen:
+def start(src: str, states_path: str, method: str, cache: str, restore: bool) -> subprocess.Popen:
     # each worker compiles its kernels into a fresh numba cache, so both start alike (one on the
     # checkout's cache beside one that compiled gave an A/A test of 0.905x: docs/BENCHMARKS.md)
     env = dict(os.environ, NUMBA_CACHE_DIR=cache)
-    p = subprocess.Popen([sys.executable, __file__, "--worker", src, states_path, method], stdin=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, __file__, "--worker", src, states_path, method, str(int(restore))],
+                         stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True, env=env)
     if p.stdout.readline().strip() != "ready":
         raise SystemExit(f"the worker for {src} did not start")
@@ -94,13 +118,14 @@ def ask(p: subprocess.Popen, rep: int) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        return worker(*sys.argv[2:5])
+        return worker(*sys.argv[2:6])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rev", help="the other build: a commit of this repository")
     ap.add_argument("--method", default="dynaquant")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--small-n", type=int, default=6)
     ap.add_argument("--small-every", type=int, default=8)
+    ap.add_argument("--restore", action="store_true", help="also restore every step, paired the same way")
     args = ap.parse_args()
     sys.path.insert(0, HERE)
     import speed
@@ -112,8 +137,10 @@ def main() -> None:
         try:
             states_path = os.path.join(tmp, "states.pt")
             torch.save(speed.small_states(args.small_n, args.small_every), states_path)
-            builds = {args.rev: start(os.path.join(other, "src"), states_path, args.method, os.path.join(tmp, "nb1")),
-                      "this": start(os.path.join(ROOT, "src"), states_path, args.method, os.path.join(tmp, "nb2"))}
+            builds = {args.rev: start(os.path.join(other, "src"), states_path, args.method, os.path.join(tmp, "nb1"),
+                                      args.restore),
+                      "this": start(os.path.join(ROOT, "src"), states_path, args.method, os.path.join(tmp, "nb2"),
+                                    args.restore)}
             runs: dict[str, list[dict]] = {b: [] for b in builds}
             files = {}
             for rep in range(args.reps + 1):  # repetition 0 warms both up (numba's cache, first touches)
@@ -122,7 +149,7 @@ def main() -> None:
                     if rep:
                         runs[b].append(r)
                     else:
-                        files[b] = r["files"]
+                        files[b] = (r["files"], r.get("restored"))
             for p in builds.values():
                 p.stdin.close()
                 p.wait()
@@ -138,7 +165,7 @@ def report(args, runs: dict, files: dict) -> None:
     zm = statistics.mean(ms(r["zstd"]) for r in ra + rb)
     zmin = 1e3 * sum(min(col) for col in zip(*(r["zstd"] for r in ra + rb))) / n
     print(f"### {args.method}: {b} build vs {a}, {args.reps} paired repetitions of the small chain ({n} checkpoints)\n")
-    print(f"same bytes written: {files[a] == files[b]}\n")
+    print(f"same bytes written: {files[a][0] == files[b][0]}\n")
     print(f"| build | save, mean ms | median | x zstd-3 (mean {zm:.2f} ms) | per-checkpoint minima, ms "
           f"| x zstd-3 minima ({zmin:.2f} ms) |")
     print("|---|---|---|---|---|---|")
@@ -152,6 +179,26 @@ def report(args, runs: dict, files: dict) -> None:
     ratio = statistics.mean(ms(r["save"]) for r in rb) / statistics.mean(ms(r["save"]) for r in ra)
     print(f"\n{a} - {b}, paired: {statistics.mean(d):.2f} +- {se:.2f} ms a checkpoint (mean +- se); "
           f"{b} takes {ratio:.3f}x the time of {a}")
+    if "restore" in ra[0]:
+        restores(a, ra, b, rb, files[a][1] == files[b][1])
+
+
+def restores(a: str, ra: list[dict], b: str, rb: list[dict], same: bool) -> None:
+    """The restore of every step (each replays the chain from its keyframe: several checkpoints
+    decoded), beside zstd-3's decompress of one checkpoint's bytes."""
+    n = len(ra[0]["restore"])
+    ms = lambda xs: 1e3 * sum(xs) / n  # noqa: E731
+    zm = statistics.mean(ms(r["unzstd"]) for r in ra + rb)
+    print(f"\n#### Restores of every step, the same repetitions\n\nsame tensors restored: {same}\n")
+    print(f"| build | restore, mean ms a step | median | x zstd-3 decompress of one checkpoint (mean {zm:.2f} ms) |")
+    print("|---|---|---|---|")
+    for name, rs in ((a, ra), (b, rb)):
+        s = [ms(r["restore"]) for r in rs]
+        print(f"| {name} | {statistics.mean(s):.2f} | {statistics.median(s):.2f} | {statistics.mean(s) / zm:.2f}x |")
+    d = [ms(x["restore"]) - ms(y["restore"]) for x, y in zip(ra, rb)]
+    se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+    ratio = statistics.mean(ms(r["restore"]) for r in rb) / statistics.mean(ms(r["restore"]) for r in ra)
+    print(f"\n{a} - {b}, paired: {statistics.mean(d):.2f} +- {se:.2f} ms a step; {b} takes {ratio:.3f}x the time of {a}")
 
 
 if __name__ == "__main__":
