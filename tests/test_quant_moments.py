@@ -394,12 +394,14 @@ def test_decode_tables_fall_back_where_torchs_paths_differ(monkeypatch):
 
     monkeypatch.setattr(M, "_d_map", scalar_differs)
     M._level_tables.cache_clear()
+    M._d_table.cache_clear()
     try:
         assert M._level_tables(0.5, hp.eps, hp.bc2, 64) is None
         v, D, table = M.decode_v(qv, hp, c)
         assert table is None and D is not None and torch.equal(v, M.v_from_denominator(D, hp, qv.shape))
     finally:
         M._level_tables.cache_clear()
+        M._d_table.cache_clear()
 
 
 @pytest.mark.skipif(not M.K.HAVE_NUMBA, reason="the table kernels need numba")

@@ -274,7 +274,7 @@ def decode_v(q: QuantizedTensor, hp: AdamHP, codes: torch.Tensor | None = None, 
              dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(v_q in q's shape and ``dtype``, D_q, d_table) of a grid record: v_from_denominator of
     decode_denominator, the same floats. D_q comes per element (flat fp32, d_table None) or, on the
-    CPU where exact (_level_tables), as its value per level (D_q = d_table[codes], D_q None), which
+    CPU where exact (_d_table), as its value per level (D_q = d_table[codes], D_q None), which
     dequantize_m reads without a tensor of D. ``codes``: decode_grid(q); ``top``: their max where
     the caller has it. The tables took GPT-2 124M's restore from two float64 maps over its v (one
     with exp2) and a fresh fp32 D to one lookup pass."""
@@ -304,18 +304,24 @@ _PROBE_COPIES = 64
 @functools.lru_cache(maxsize=64)
 def _level_tables(step: float, eps: float, bc2: float, size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """decode_denominator's and v_from_denominator's fp32 values of the levels 0..size-1, or None
-    where they are not what the elementwise maps give every element. torch's vectorized body and
-    scalar tail of a kernel are different code (float64 exp2: SLEEF or libm, which differ in the
-    last bit for ~7 % of inputs), so an element's D depends on where it sits in the tensor. The
-    table is kept only if each level's D is the same on both paths: each level alone (the scalar
-    tail) against each level in whole vectors. The rest is IEEE arithmetic, the same on either path."""
+    where D's are not what the elementwise map gives every element (_d_table). v's map is IEEE
+    arithmetic, the same on either path. Kept per bc2 (Adam's step count: each checkpoint's own),
+    D's table per grid."""
+    d = _d_table(step, eps, size)
+    return None if d is None else (d, _map_f64(d, _v_map(eps, bc2), torch.float32))
+
+
+@functools.lru_cache(maxsize=16)
+def _d_table(step: float, eps: float, size: int) -> torch.Tensor | None:
+    """D of the levels 0..size-1, if each is the same on both of torch's paths. Its vectorized body
+    and scalar tail are different code (float64 exp2: SLEEF or libm, which differ in the last bit
+    for ~7 % of inputs), so an element's D depends on where it sits in the tensor; the table is
+    kept only if every level's D is the same alone (the scalar tail) and in whole vectors."""
     levels = torch.arange(size, dtype=torch.float64)
     d_map = _d_map(step, eps)
     wide = _map_f64(levels.repeat_interleave(_PROBE_COPIES), d_map, torch.float32).view(size, _PROBE_COPIES)
     alone = torch.cat([_map_f64(levels[i:i + 1], d_map, torch.float32) for i in range(size)])
-    if not (wide == alone[:, None]).all():
-        return None
-    return alone, _map_f64(alone, _v_map(eps, bc2), torch.float32)
+    return alone if bool((wide == alone[:, None]).all()) else None
 
 
 # bytes of a batch's fp32 / int32 temporaries kept per thread between saves (codec/scratch.py): a
