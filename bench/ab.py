@@ -57,8 +57,6 @@ def worker(src: str, states_path: str, method: str, restore: str = "0") -> None:
 
     states = torch.load(states_path, weights_only=False)
     raws = [speed.raw_bytes(s) for s in states]
-    from ckptzip.dcp.tools import flat_tensors
-
     cz, fs = zstandard.ZstdCompressor(level=speed.ZSTD_LEVEL), fsspec.filesystem("memory")
     dz = zstandard.ZstdDecompressor()
     print("ready", flush=True)
@@ -74,14 +72,13 @@ def worker(src: str, states_path: str, method: str, restore: str = "0") -> None:
         files = [hashlib.sha256(fs.cat(f"{url[len('memory://'):]}/{e.file}")).hexdigest() for e in ch.entries()]
         out = {"save": save, "files": files}
         if restore == "1":  # every step from a fresh chain object, as a resume does
-            out["restore"], h = [], hashlib.sha256()
+            out["restore"], digests = [], []
             for i in range(len(states)):
                 t = time.thread_time()
                 got = CheckpointChain(url).restore(i + 1).state
                 out["restore"].append(time.thread_time() - t)
-                for _, x in flat_tensors(got):
-                    h.update(x.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            out["restored"] = h.hexdigest()
+                digests.append(speed.tensors_digest(got))
+            out["restored"] = digests
         fs.rm(url[len("memory://"):], recursive=True)
         out["zstd"], out["unzstd"] = [], []
         for r in raws:
@@ -174,10 +171,8 @@ def report(args, runs: dict, files: dict) -> None:
         mn = 1e3 * sum(min(col) for col in zip(*(r["save"] for r in rs))) / n
         print(f"| {name} | {statistics.mean(s):.2f} | {statistics.median(s):.2f} | {statistics.mean(s) / zm:.2f}x "
               f"| {mn:.2f} | {mn / zmin:.2f}x |")
-    d = [ms(x["save"]) - ms(y["save"]) for x, y in zip(ra, rb)]
-    se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
-    ratio = statistics.mean(ms(r["save"]) for r in rb) / statistics.mean(ms(r["save"]) for r in ra)
-    print(f"\n{a} - {b}, paired: {statistics.mean(d):.2f} +- {se:.2f} ms a checkpoint (mean +- se); "
+    d, se, ratio = paired(ra, rb, "save", ms)
+    print(f"\n{a} - {b}, paired: {d:.2f} +- {se:.2f} ms a checkpoint (mean +- se); "
           f"{b} takes {ratio:.3f}x the time of {a}")
     if "restore" in ra[0]:
         restores(a, ra, b, rb, files[a][1] == files[b][1])
@@ -195,10 +190,15 @@ def restores(a: str, ra: list[dict], b: str, rb: list[dict], same: bool) -> None
     for name, rs in ((a, ra), (b, rb)):
         s = [ms(r["restore"]) for r in rs]
         print(f"| {name} | {statistics.mean(s):.2f} | {statistics.median(s):.2f} | {statistics.mean(s) / zm:.2f}x |")
-    d = [ms(x["restore"]) - ms(y["restore"]) for x, y in zip(ra, rb)]
+    d, se, ratio = paired(ra, rb, "restore", ms)
+    print(f"\n{a} - {b}, paired: {d:.2f} +- {se:.2f} ms a step; {b} takes {ratio:.3f}x the time of {a}")
+
+
+def paired(ra: list[dict], rb: list[dict], key: str, ms) -> tuple[float, float, float]:
+    """(mean of a's minus b's ms(r[key]) repetition by repetition, its standard error, b's mean over a's)."""
+    d = [ms(x[key]) - ms(y[key]) for x, y in zip(ra, rb)]
     se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
-    ratio = statistics.mean(ms(r["restore"]) for r in rb) / statistics.mean(ms(r["restore"]) for r in ra)
-    print(f"\n{a} - {b}, paired: {statistics.mean(d):.2f} +- {se:.2f} ms a step; {b} takes {ratio:.3f}x the time of {a}")
+    return statistics.mean(d), se, statistics.mean(ms(r[key]) for r in rb) / statistics.mean(ms(r[key]) for r in ra)
 
 
 if __name__ == "__main__":

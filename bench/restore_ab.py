@@ -15,7 +15,6 @@ Run:  .venv/bin/python bench/restore_ab.py 2e0d380 --states gpt2.pt [--rounds 4 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -32,23 +31,22 @@ ROOT = os.path.dirname(HERE)
 def worker(src: str, url: str, step: int, each: int) -> None:
     """One build's restores -> one JSON line: seconds of each restore after the first, the hash."""
     sys.path.insert(0, src)
+    sys.path.insert(1, HERE)
     import torch
 
     torch.set_num_threads(1)
+    import speed
     from ckptzip.chain import CheckpointChain
-    from ckptzip.dcp.tools import flat_tensors
 
-    times, h = [], hashlib.sha256()
+    times, digest = [], None
     for i in range(each):
         t = time.thread_time()
         state = CheckpointChain(url).restore(step).state
         times.append(time.thread_time() - t)
         if i == 0:
-            for name, x in flat_tensors(state):
-                h.update(name.encode())
-                h.update(x.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            digest = speed.tensors_digest(state)
         del state
-    print(json.dumps({"times": times[1:], "hash": h.hexdigest()}), flush=True)
+    print(json.dumps({"times": times[1:], "hash": digest}), flush=True)
 
 
 def run(src: str, url: str, step: int, each: int, cache: str) -> dict:

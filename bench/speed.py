@@ -153,6 +153,20 @@ def same_tensors(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(same_bits(to_numpy_bits(a[n]), to_numpy_bits(b[n])) for n in a)
 
 
+def tensors_digest(state) -> str:
+    """SHA-256 of a state's tensor names and bits: same_tensors across processes (two builds)."""
+    import hashlib
+
+    from ckptzip.dcp.tools import flat_tensors
+    from ckptzip.tensorbytes import to_numpy_bits
+
+    h = hashlib.sha256()
+    for name, t in flat_tensors(state):
+        h.update(name.encode())
+        h.update(to_numpy_bits(t).tobytes())
+    return h.hexdigest()
+
+
 def measure(states: list[dict], methods: list[str], reps: int, *, chain: bool = True, warmup: bool = True) -> dict:
     """Per method and rep: encode / decode (and with ``chain``: save / restore) seconds (thread
     CPU), and zstd-3's on the same bytes. Checkpoint bytes are built one at a time and dropped:
