@@ -25,9 +25,10 @@ import importlib.util
 import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Callable, ClassVar
 
+import numpy as np
 import torch
 
 from ..codec import bytegroup
@@ -309,6 +310,70 @@ def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3, pa
         return
     enc.add(name, EXACT_PIPELINE, {}, data=bytegroup.compress(bits, t.element_size(),
                                                               float_bits=t.is_floating_point(), level=level))
+
+
+class ExactGroups:
+    """encode_exact(..., groups=) of the small tensors of a save (each under ``GROUP_BELOW`` bytes)
+    all at once: the same records and group blobs, but each group's words joined once -- the group
+    blob's words and the reference's copy of its tensors -- and a repeat of the parent's group of the
+    same records (``same/1``) found by one comparison of their words, not record by record::
+
+        eg = ExactGroups(enc)
+        eg.add(name, t)        # in record order, where encode_exact would run: reserves the record
+        kept = eg.flush(groups, parents, parent_groups)  # before groups.flush(enc): {key: GroupWords}
+    """
+
+    def __init__(self, enc: Encoded):
+        self.enc = enc
+        self._members: dict[str, list[tuple[str, torch.Tensor]]] = {}  # group key -> records, in order
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        t = host(t)
+        key = groups_mod.group_key(t)
+        m = self._members.get(key)
+        if m is None:
+            m = self._members[key] = []
+        m.append((name, t))
+        self.enc.add(name, EXACT_GROUPED)  # its meta (or same/1) at flush: the records keep their order
+
+    def flush(self, groups: groups_mod.GroupWriter, parents: Mapping[str, torch.Tensor] | None,
+              parent_groups: Mapping[str, groups_mod.GroupWords]) -> dict[str, groups_mod.GroupWords]:
+        """Each record's meta, each group's words into ``groups`` (a group whose every record repeats
+        has none, as with encode_exact); ``parents``: the parent's exact tensors (None: a keyframe)."""
+        kept, records = {}, self.enc.records
+        for key, items in self._members.items():
+            words = groups_mod.join_words([t for _, t in items])  # a copy: training moves the live tensors
+            g = kept[key] = groups_mod.GroupWords(words, tuple(n for n, _ in items),
+                                                  tuple((t.dtype, t.shape) for _, t in items))
+            counts = np.fromiter((t.numel() for _, t in items), np.int64, len(items))
+            same = np.zeros(len(items), dtype=bool) if parents is None else \
+                self._repeats(g, counts, items, parents, parent_groups.get(key))
+            off = 0
+            for (name, _), n, s in zip(items, counts.tolist(), same.tolist()):
+                if s:
+                    records[name]["pipeline"] = list(EXACT_SAME)
+                else:
+                    records[name]["meta"] = {"group": [key, off, n]}
+                    off += n
+            if not same.all():
+                groups.add_words(key, words[np.repeat(~same, counts)] if same.any() else words)
+        self._members.clear()
+        return kept
+
+    @staticmethod
+    def _repeats(g: groups_mod.GroupWords, counts: np.ndarray, items: list, parents: Mapping[str, torch.Tensor],
+                 pg: groups_mod.GroupWords | None) -> np.ndarray:
+        """Whether each record's bits equal its parent's (same dtype and shape)."""
+        if pg is not None and pg.names == g.names and pg.specs == g.specs:  # the parent's group of these records
+            changed = np.concatenate(([0], np.cumsum(g.words != pg.words)))
+            ends = np.cumsum(counts)
+            return changed[ends] == changed[ends - counts]
+        out = np.zeros(len(items), dtype=bool)
+        for i, (name, t) in enumerate(items):
+            p = parents.get(name)
+            out[i] = p is not None and p.dtype == t.dtype and p.shape == t.shape and \
+                same_bits(to_numpy_bits(t), to_numpy_bits(p))
+        return out
 
 
 def decode_exact(enc: Encoded, name: str, rec: TensorRecord, parent: torch.Tensor | None = None,

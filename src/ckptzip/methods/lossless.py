@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ..codec import bytegroup
@@ -39,7 +38,7 @@ from ..parallel import thread_map
 from ..state import FlatState, TensorRecord
 from ..tensorbytes import BITS_DTYPE, host, tensor_from_bytes, tensor_from_words, to_numpy_bits, torch_dtype
 from .base import DecodeContext, EncodeContext, Encoded, Method, Reference, register
-from .groups import GROUP_BELOW, GroupWriter, group_key, group_words
+from .groups import GROUP_BELOW, EncoderTensors, GroupWords, GroupWriter, group_key, group_words
 
 
 @dataclass(frozen=True)
@@ -62,65 +61,6 @@ def _guess_raw(t: torch.Tensor) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class GroupWords:
-    """A group blob's words before compression (its records' bits, in record order, unsigned ints) and
-    those records' names, dtypes and shapes: the next delta XORs a group of the same records with
-    ``words`` whole, and reads a record's parent bits as a view of them."""
-
-    words: np.ndarray
-    names: tuple[str, ...]
-    specs: tuple[tuple[torch.dtype, torch.Size], ...]
-
-    def tensor(self, i: int, offset: int) -> torch.Tensor:
-        dtype, shape = self.specs[i]
-        t = torch.from_numpy(self.words[offset:offset + shape.numel()])
-        return t.view(dtype).view(shape)
-
-
-class _EncoderTensors(Mapping):
-    """An encoder's reference tensors by record name: its own copies of the large records, the small
-    ones views of their group's words, made when asked for (a steady-state delta asks for none)."""
-
-    def __init__(self, names: list[str], own: dict[str, torch.Tensor], groups: dict[str, GroupWords]):
-        self._names, self._own = names, own
-        self._grouped = {}
-        for g in groups.values():
-            off = 0
-            for i, (n, (_, shape)) in enumerate(zip(g.names, g.specs)):
-                self._grouped[n] = (g, i, off)
-                off += shape.numel()
-
-    def owns(self, name: str) -> bool:
-        """Whether the record is one of the large records' copies (not a view of group words)."""
-        return name in self._own
-
-    def own(self, name: str) -> torch.Tensor | None:
-        """The record's own copy, None for a small record (a view of its group's words) or none."""
-        return self._own.get(name)
-
-    def spec(self, name: str) -> tuple[torch.dtype, torch.Size] | None:
-        """The record's dtype and shape, without making its view."""
-        t = self._own.get(name)
-        if t is not None:
-            return t.dtype, t.shape
-        g = self._grouped.get(name)
-        return g[0].specs[g[1]] if g is not None else None
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        t = self._own.get(name)
-        if t is not None:
-            return t
-        g, i, off = self._grouped[name]
-        return g.tensor(i, off)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-
-@dataclass(frozen=True)
 class LosslessReference(Reference):
     """The previous checkpoint's exact tensors (CPU), XOR-ed against by the next delta. An encoder's
     reference also keeps its group blobs' words (``groups``) and which planes of each delta blob
@@ -135,7 +75,7 @@ class LosslessReference(Reference):
         return iter(self.exact.values())
 
     def spec(self, name: str) -> tuple[torch.dtype, torch.Size] | None:
-        if isinstance(self.exact, _EncoderTensors):
+        if isinstance(self.exact, EncoderTensors):
             return self.exact.spec(name)
         t = self.exact.get(name)
         return None if t is None else (t.dtype, t.shape)
@@ -167,9 +107,9 @@ class LosslessMethod(Method):
         # a spent writer's reference holds its own copies of the large records: the new bits overwrite
         # the parent's once XORed (a fresh copy of the state per save cost its allocation and page faults),
         # and a keyframe's copies go into its spent predecessor's (ctx.recycle) where dtype and shape match
-        reuse = ctx.reference_spent and prev is not None and isinstance(prev.exact, _EncoderTensors)
+        reuse = ctx.reference_spent and prev is not None and isinstance(prev.exact, EncoderTensors)
         spare = ctx.recycle.exact if ctx.reference_spent and prev is None and isinstance(
-            ctx.recycle, LosslessReference) and isinstance(ctx.recycle.exact, _EncoderTensors) else None
+            ctx.recycle, LosslessReference) and isinstance(ctx.recycle.exact, EncoderTensors) else None
 
         def keep(name: str, t: torch.Tensor) -> torch.Tensor:  # the reference's own copy of t
             s = spare.own(name) if spare is not None else None
@@ -220,7 +160,7 @@ class LosslessMethod(Method):
                 if name in xored:
                     raw_planes[name] = bytegroup.raw_planes(data)
                 enc.add(name, head + _OWN, {}, data=data)
-        return enc, LosslessReference(ctx.step, _EncoderTensors(list(state.records), own, kept), kept, raw_planes)
+        return enc, LosslessReference(ctx.step, EncoderTensors(list(state.records), own, kept), kept, raw_planes)
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:

@@ -9,7 +9,7 @@ runs everything else. Per checkpoint::
     4. codes: methods/qrecord.py, a cyclic delta against the previous save's codes where the method
        deltas (``delta_weights``: dynaquant, qd), coded as ``config.codes`` says
     5. every other record exact (methods/base.encode_exact; those under 16 KiB share group blobs,
-       stage ``group/1``, methods/groups.py)
+       stage ``group/1``, methods/groups.py, all at once: base.ExactGroups)
 
 Decode: exact records; weights (``dequantize_weight``, against the reference's codes); moments
 (moments.decode_moments). The reference is a ``QuantizedReference``: the weights' codes (and the
@@ -67,8 +67,9 @@ from ..search.config import SearchConfig
 from ..search.spaces import Space
 from ..state import FlatState, TensorRecord
 from . import moments, qrecord
-from .base import DecodeContext, EncodeContext, Encoded, Method, Reference, decode_exact, encode_exact, is_exact
-from .groups import GroupWriter
+from .base import (DecodeContext, EncodeContext, Encoded, ExactGroups, Method, Reference, decode_exact, encode_exact,
+                   is_exact)
+from .groups import GROUP_BELOW, EncoderTensors, GroupWriter
 
 CODER_CHOICES = ("auto", *CODERS)
 
@@ -109,7 +110,8 @@ class QuantizingMethodConfig:
 class QuantizedReference(Reference):
     """The previous save's codes: weights' (delta methods) and moments' (``MomentConfig.delta``);
     ``recon``: the quantized weights as decoded (what a residual record is added to); ``exact``: the
-    exact records as decoded (a record that repeats is stored as ``same/1``)."""
+    exact records as decoded (a record that repeats is stored as ``same/1``; an encoder's are an
+    EncoderTensors: the small ones views of their group's words, base.ExactGroups)."""
 
     weights: Mapping[str, qrecord.Codes] = field(default_factory=dict)
     moments: moments.MomentReference | None = None
@@ -358,7 +360,8 @@ class QuantizingMethod(Method):
         stage = S.QUANTIZED_RECORD[self.name].descriptor  # the qrecord layout, unchanged since v0.1
         planned = moments.plan_moments(state, cfg.moments, None if enc.keyframe else prev.moments,
                                        marker=stage, codes=cfg.codes)
-        codes_w, codes_m, exact, groups, batch = {}, {}, {}, GroupWriter(), qrecord.RecordBatch(enc)
+        codes_w, codes_m, exact, exact_names = {}, {}, {}, []
+        groups, small, batch = GroupWriter(), ExactGroups(enc), qrecord.RecordBatch(enc)
         for name, rec in state.records.items():
             q = quantized.get(name)
             if name in planned:
@@ -366,8 +369,13 @@ class QuantizingMethod(Method):
                 if c is not None:
                     codes_m[name] = c
             elif q is None:
+                exact_names.append(name)
+                t = state.tensors[name]
+                if t.numel() * t.element_size() < GROUP_BELOW:
+                    small.add(name, t)  # joined into one copy per group at flush
+                    continue
                 t = exact[name] = state.own(name)  # training moves the live one
-                encode_exact(enc, name, t, parent=None if enc.keyframe else prev.exact.get(name), groups=groups)
+                encode_exact(enc, name, t, parent=None if enc.keyframe else prev.exact.get(name))
             else:
                 p = None if enc.keyframe else prev.weights.get(name)
                 meta = {k: v for k, v in q.meta.items() if k in qrecord.RECORD_META}
@@ -375,6 +383,8 @@ class QuantizingMethod(Method):
                                             rearrange=cfg.codes.rearrange, rle=cfg.codes.rle, meta=meta,
                                             residual=name in bases)
         batch.flush()
+        kept = small.flush(groups, None if enc.keyframe else prev.exact,
+                           prev.exact.groups if prev is not None and isinstance(prev.exact, EncoderTensors) else {})
         groups.flush(enc)
         # an async save's search ran in the trainer (asyncsearch.py): its info carries its own search_s
         enc.meta["summary"] = {**{k: getattr(qcfg, k) for k in self._knob_names()}, "search_s": round(search_s, 3),
@@ -383,7 +393,7 @@ class QuantizingMethod(Method):
             enc.meta["search_state"] = self.search_state  # read back by resume() after a restart
         if enc.keyframe and bases:
             enc.meta["base"] = ctx.base.digest  # a restore needs the same base (basestate.require)
-        return enc, self._reference(ctx.step, codes_w, codes_m, recon, exact)
+        return enc, self._reference(ctx.step, codes_w, codes_m, recon, EncoderTensors(exact_names, exact, kept))
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
@@ -423,7 +433,7 @@ class QuantizingMethod(Method):
                               {n: out[n] for n in codes_w}, {n: out[n] for n in records if is_exact(encoded, n)})
         return {n: t.to(ctx.device) for n, t in out.items()}, ref
 
-    def _reference(self, step: int, codes_w: dict, codes_m: dict, recon: dict, exact: dict) -> QuantizedReference:
+    def _reference(self, step: int, codes_w: dict, codes_m: dict, recon: dict, exact: Mapping) -> QuantizedReference:
         return QuantizedReference(step, codes_w if self.delta_weights else {},
                                   moments.MomentReference(codes_m) if self._moment_deltas else None, recon, exact)
 
