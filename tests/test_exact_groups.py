@@ -3,6 +3,7 @@ encode_exact writes one by one, a repeat found against the parent's group words 
 record, and a reference of its own copies."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -94,3 +95,14 @@ def test_the_reference_is_a_copy_and_views_of_one_buffer_per_group():
     assert not torch.equal(ref["w.bias"], state["w.bias"])
     assert set(ref.groups) == {"group.4f", "group.2f", "group.8i", "group.1i"}
     assert ref.groups["group.2f"].names == ("half", "bf")
+
+
+def test_a_group_takes_its_words_whole_or_record_by_record_not_both():
+    g = GroupWriter()
+    g.add_words("group.4f", np.zeros(3, dtype=np.uint32))
+    with pytest.raises(ValueError, match="given its words whole"):
+        g.add(torch.zeros(2))
+    g = GroupWriter()
+    g.add(torch.zeros(2))
+    with pytest.raises(ValueError, match="already has records"):
+        g.add_words("group.4f", np.zeros(3, dtype=np.uint32))

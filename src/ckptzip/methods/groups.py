@@ -154,7 +154,8 @@ class GroupWriter:
 
     def flush(self, enc: Encoded, *, prev: dict[str, np.ndarray] | None = None,
               raw_planes: dict[str, tuple[int, ...]] | None = None) -> dict[str, np.ndarray]:
-        """The group blobs into ``enc.blobs``; returns each group's words (unsigned ints, a copy).
+        """The group blobs into ``enc.blobs``; returns each group's words (unsigned ints: a copy of the
+        records', or add_words's array).
         ``prev``: per group, the words to XOR it with whole (instead of its records' parents: a
         group of the same records as last save's); ``raw_planes``: per group, the planes
         predicted raw (bytegroup.compress's ``store_raw``)."""
@@ -165,7 +166,7 @@ class GroupWriter:
             parent = prev.get(key) if prev else None
             if parent is None and any(q is not None for q in g.parents):  # XOR with zeros keeps a record's bits
                 parent = join_words([q if q is not None else torch.zeros(t.numel(), dtype=t.dtype)
-                                 for t, q in zip(g.tensors, g.parents)])
+                                     for t, q in zip(g.tensors, g.parents)])
             enc.blobs[key] = bytegroup.compress(words, width, float_bits=is_float, level=self.level, prev=parent,
                                                 store_raw=(raw_planes or {}).get(key, ()), min_gain=self.min_gain)
             out[key] = words

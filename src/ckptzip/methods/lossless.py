@@ -63,13 +63,17 @@ def _guess_raw(t: torch.Tensor) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class LosslessReference(Reference):
     """The previous checkpoint's exact tensors (CPU), XOR-ed against by the next delta. An encoder's
-    reference also keeps its group blobs' words (``groups``) and which planes of each delta blob
-    were stored raw (``raw_planes``, by record or group key: the next delta stores those raw unless a
-    probe of their first bytes shrinks; a keyframe's planes predict nothing of a delta's)."""
+    are an EncoderTensors, which keeps its group blobs' words (``groups``); its reference also keeps
+    which planes of each delta blob were stored raw (``raw_planes``, by record or group key: the next
+    delta stores those raw unless a probe of their first bytes shrinks; a keyframe's planes predict
+    nothing of a delta's)."""
 
     exact: Mapping[str, torch.Tensor]
-    groups: Mapping[str, GroupWords] = field(default_factory=dict)
     raw_planes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def groups(self) -> Mapping[str, GroupWords]:
+        return self.exact.groups if isinstance(self.exact, EncoderTensors) else {}
 
     def tensors(self) -> Iterator[torch.Tensor]:
         return iter(self.exact.values())
@@ -160,7 +164,7 @@ class LosslessMethod(Method):
                 if name in xored:
                     raw_planes[name] = bytegroup.raw_planes(data)
                 enc.add(name, head + _OWN, {}, data=data)
-        return enc, LosslessReference(ctx.step, EncoderTensors(list(state.records), own, kept), kept, raw_planes)
+        return enc, LosslessReference(ctx.step, EncoderTensors(list(state.records), own, kept), raw_planes)
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
                *, ctx: DecodeContext) -> tuple[dict[str, torch.Tensor], Reference]:
