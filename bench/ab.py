@@ -22,6 +22,7 @@ both builds restored the same tensors, bit for bit.
 Run:  .venv/bin/python bench/ab.py 9d5692e                     (dynaquant, 40 repetitions)
       .venv/bin/python bench/ab.py 2e0d380 --restore --reps 20
       .venv/bin/python bench/ab.py HEAD~3 --method lossless --reps 30
+      .venv/bin/python bench/ab.py d89f8b4 --width 32 --layers 48 --reps 10   (a deep, narrow GPT)
 """
 from __future__ import annotations
 
@@ -122,6 +123,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--small-n", type=int, default=6)
     ap.add_argument("--small-every", type=int, default=8)
+    ap.add_argument("--width", type=int, default=96, help="the GPT's n_embd (default: the small chain's)")
+    ap.add_argument("--layers", type=int, default=4, help="the GPT's n_layer (48 with --width 32: bench/record_cost.py's "
+                    "deep, narrow GPT of ~2,300 records)")
     ap.add_argument("--restore", action="store_true", help="also restore every step, paired the same way")
     args = ap.parse_args()
     sys.path.insert(0, HERE)
@@ -133,7 +137,8 @@ def main() -> None:
                        capture_output=True)
         try:
             states_path = os.path.join(tmp, "states.pt")
-            torch.save(speed.small_states(args.small_n, args.small_every), states_path)
+            torch.save(speed.small_states(args.small_n, args.small_every, n_embd=args.width, n_layer=args.layers),
+                       states_path)
             builds = {args.rev: start(os.path.join(other, "src"), states_path, args.method, os.path.join(tmp, "nb1"),
                                       args.restore),
                       "this": start(os.path.join(ROOT, "src"), states_path, args.method, os.path.join(tmp, "nb2"),
@@ -161,7 +166,8 @@ def report(args, runs: dict, files: dict) -> None:
     ms = lambda xs: 1e3 * sum(xs) / n  # noqa: E731 (seconds of a chain -> ms a checkpoint)
     zm = statistics.mean(ms(r["zstd"]) for r in ra + rb)
     zmin = 1e3 * sum(min(col) for col in zip(*(r["zstd"] for r in ra + rb))) / n
-    print(f"### {args.method}: {b} build vs {a}, {args.reps} paired repetitions of the small chain ({n} checkpoints)\n")
+    chain = "the small chain" if (args.width, args.layers) == (96, 4) else f"a GPT of width {args.width}, {args.layers} layers"
+    print(f"### {args.method}: {b} build vs {a}, {args.reps} paired repetitions of {chain} ({n} checkpoints)\n")
     print(f"same bytes written: {files[a][0] == files[b][0]}\n")
     print(f"| build | save, mean ms | median | x zstd-3 (mean {zm:.2f} ms) | per-checkpoint minima, ms "
           f"| x zstd-3 minima ({zmin:.2f} ms) |")
