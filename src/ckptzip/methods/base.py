@@ -298,8 +298,7 @@ def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3, pa
     caller flushes ``groups`` into ``enc`` after its last record)."""
     t = host(t)
     bits = to_numpy_bits(t)  # a view
-    if parent is not None and parent.dtype == t.dtype and parent.shape == t.shape and \
-            same_bits(bits, to_numpy_bits(parent)):
+    if _repeats(bits, t, parent):
         enc.add(name, EXACT_SAME, {})
         return
     if groups is not None and bits.nbytes < groups_mod.GROUP_BELOW:
@@ -310,6 +309,12 @@ def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3, pa
         return
     enc.add(name, EXACT_PIPELINE, {}, data=bytegroup.compress(bits, t.element_size(),
                                                               float_bits=t.is_floating_point(), level=level))
+
+
+def _repeats(bits, t: torch.Tensor, parent: torch.Tensor | None) -> bool:
+    """Whether ``t`` (``bits``: its to_numpy_bits) is ``parent`` bit for bit, dtype and shape included."""
+    return parent is not None and parent.dtype == t.dtype and parent.shape == t.shape and \
+        same_bits(bits, to_numpy_bits(parent))
 
 
 class ExactGroups:
@@ -347,7 +352,7 @@ class ExactGroups:
                                                   tuple((t.dtype, t.shape) for _, t in items))
             counts = np.fromiter((t.numel() for _, t in items), np.int64, len(items))
             same = np.zeros(len(items), dtype=bool) if parents is None else \
-                self._repeats(g, counts, items, parents, parent_groups.get(key))
+                self._same_mask(g, counts, items, parents, parent_groups.get(key))
             off = 0
             for (name, _), n, s in zip(items, counts.tolist(), same.tolist()):
                 if s:
@@ -361,19 +366,14 @@ class ExactGroups:
         return kept
 
     @staticmethod
-    def _repeats(g: groups_mod.GroupWords, counts: np.ndarray, items: list, parents: Mapping[str, torch.Tensor],
+    def _same_mask(g: groups_mod.GroupWords, counts: np.ndarray, items: list, parents: Mapping[str, torch.Tensor],
                  pg: groups_mod.GroupWords | None) -> np.ndarray:
         """Whether each record's bits equal its parent's (same dtype and shape)."""
         if pg is not None and pg.names == g.names and pg.specs == g.specs:  # the parent's group of these records
             changed = np.concatenate(([0], np.cumsum(g.words != pg.words)))
             ends = np.cumsum(counts)
             return changed[ends] == changed[ends - counts]
-        out = np.zeros(len(items), dtype=bool)
-        for i, (name, t) in enumerate(items):
-            p = parents.get(name)
-            out[i] = p is not None and p.dtype == t.dtype and p.shape == t.shape and \
-                same_bits(to_numpy_bits(t), to_numpy_bits(p))
-        return out
+        return np.array([_repeats(to_numpy_bits(t), t, parents.get(name)) for name, t in items], dtype=bool)
 
 
 def decode_exact(enc: Encoded, name: str, rec: TensorRecord, parent: torch.Tensor | None = None,
