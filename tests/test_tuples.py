@@ -162,9 +162,10 @@ def test_the_packed_flag_is_checked_before_decoding():
 def test_a_chain_with_packed_codes_restores_what_the_unpacked_chain_does(tmp_path, digits_snapshots, monkeypatch):
     model, opt, snaps, _ = digits_snapshots
 
-    def run(root, small, paired):
+    def run(root, small, paired, steps=None):
         monkeypatch.setattr(tuples, "SMALL_CODES", small)
         monkeypatch.setattr(tuples, "PAIRED_CODES", paired)
+        monkeypatch.setattr(tuples, "STEP_PAIRED_CODES", paired if steps is None else steps)
         ch = CheckpointChain(root, "dynaquant", keyframe=KeyframePolicy(every=3))
         entries = [ch.save({"model": s.model, "optimizer": s.optimizer}, s.step, model=model, optimizer=opt)
                    for s in snaps[:4]]
@@ -173,16 +174,22 @@ def test_a_chain_with_packed_codes_restores_what_the_unpacked_chain_does(tmp_pat
         restored = [torch.cat([t.reshape(-1).double() for _, t in flat_tensors(ch.load(e.step))]) for e in entries]
         return restored, pipes, sum(e.nbytes for e in entries)
 
-    default, pipes, nbytes = run(tmp_path / "default", tuples.SMALL_CODES, tuples.PAIRED_CODES)
+    default, pipes, nbytes = run(tmp_path / "default", tuples.SMALL_CODES, tuples.PAIRED_CODES,
+                                 tuples.STEP_PAIRED_CODES)
     assert ("moment-direction/1", "tuple/1", "rans/1") in pipes
+    # exp_avg_sq's deltas pair from STEP_PAIRED_CODES codes (64 here: every one), the weights' from PAIRED_CODES
+    steps, step_pipes, _ = run(tmp_path / "steps", tuples.SMALL_CODES, tuples.PAIRED_CODES, 64)
+    assert ("moment-grid/1", "cyclic-delta/1", "tuple/1", "rans/1") in step_pipes
+    assert ("moment-grid/1", "cyclic-delta/1", "rans/1") not in step_pipes
+    assert ("dynaquant/1", "cyclic-delta/1", "tuple/1", "rans/1") not in step_pipes
     everything, all_pipes, _ = run(tmp_path / "all", 1, 1)  # every delta too: pairs of 6-32 levels
     assert {("dynaquant/1", "cyclic-delta/1", "tuple/1", "rans/1"),
             ("moment-grid/1", "cyclic-delta/1", "tuple/1", "rans/1")} <= all_pipes
     plain, plain_pipes, plain_nbytes = run(tmp_path / "plain", 1 << 40, 1 << 40)  # the writer packs nothing
     assert not any("tuple/1" in p for p in plain_pipes)
     assert nbytes <= plain_nbytes * 1.01
-    for a, b, c in zip(default, everything, plain):
-        assert torch.equal(a, c) and torch.equal(b, c)  # lossless: the same restores, bit for bit
+    for a, b, c, d in zip(default, everything, plain, steps):
+        assert torch.equal(a, c) and torch.equal(b, c) and torch.equal(d, c)  # lossless: the same restores
 
 
 # FORMAT.md M.3's example: 11 codes of 3 levels, packed (flags 0x38: rans, packed), as 4 symbols

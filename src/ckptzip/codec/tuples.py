@@ -40,6 +40,9 @@ __all__ = ["size", "symbol_dtype", "min_codes", "pack", "unpack"]
 MAX_PAIRED = 32        # the largest B packed (in pairs: 1024 symbols, the rANS kernels' table of values)
 SMALL_CODES = 4096     # B <= 5: below it the alphabet table (up to 32 entries) costs more than packing saves
 PAIRED_CODES = 1 << 17  # B = 6..32: ~100 bytes more table a stream, paid back only by long streams
+# B = 6..32 where the codes are a delta of grid levels (Adam's exp_avg_sq): mostly -1, 0 and +1, so
+# at most ~9 pairs in the table; from here it costs under 1 % of the stream and halves its symbols
+STEP_PAIRED_CODES = 1 << 14
 
 
 def size(B: int) -> int:
@@ -57,9 +60,10 @@ def symbol_dtype(B: int) -> np.dtype:
     return np.dtype(np.uint8 if B ** size(B) <= 256 else np.uint16)
 
 
-def min_codes(B: int) -> int:
-    """The writer's floor: a stream of fewer codes is not packed."""
-    return SMALL_CODES if B <= 5 else PAIRED_CODES
+def min_codes(B: int, *, steps: bool = False) -> int:
+    """The writer's floor: a stream of fewer codes is not packed (``steps``: the codes are a cyclic
+    delta of levels that move by a step or two, few pairs)."""
+    return SMALL_CODES if B <= 5 else STEP_PAIRED_CODES if steps else PAIRED_CODES
 
 
 def pack(codes, B: int, *, prev=None, backend: str = "auto") -> np.ndarray:

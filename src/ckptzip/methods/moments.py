@@ -112,6 +112,7 @@ class MomentItem:
     keep: bool = False                    # the stored codes go into the next reference
     levels: qrecord.Codes | None = None   # ... or these (grid v: absolute levels, whatever was stored)
     pack: bool = False                    # the parts in one blob (grid records: fewer header bytes)
+    steps: bool = False                   # a delta moves its codes a step or two (grid v: packed in pairs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +221,8 @@ def _adam_items(view: ParamView, hp: M.AdamHP, grid: M.GridCodec, qm: QuantizedT
         ref = qrecord.Codes(qv.codes, qv.n_levels)
     adam = {"step": hp.step, "beta1": hp.beta1, "beta2": hp.beta2, "eps": hp.eps}
     return {vname: MomentItem(qv, S.MOMENT_GRID.descriptor, {"step": grid.v_step, "factored": qv.meta["factored"],
-                                                             "adam": adam}, p, levels=ref, pack=True),
+                                                             "adam": adam}, p, levels=ref, pack=True,
+                             steps=not qv.meta["factored"]),
             mname: MomentItem(None, S.MOMENT_DIRECTION.descriptor, {"zero": True, "v": vname}) if qm is None else
             MomentItem(qm, S.MOMENT_DIRECTION.descriptor, {**_direction_meta(qm), "v": vname}, pack=True)}
 
@@ -237,7 +239,7 @@ def store_moment(batch: qrecord.RecordBatch, name: str, item: MomentItem) -> qre
         return None
     coder, rearrange, rle = item.coder
     c = batch.store(name, item.q, item.prev, method=item.marker, coder=coder, rearrange=rearrange, rle=rle,
-                    meta=item.meta, pack=item.pack)
+                    meta=item.meta, pack=item.pack, steps=item.steps)
     return item.levels if item.levels is not None else c if item.keep else None
 
 

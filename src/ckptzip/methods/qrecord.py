@@ -47,19 +47,21 @@ class RecordBatch:
 
     def store(self, name: str, q: QuantizedTensor, prev: Codes | None, *, method: str, coder: str = "huffman",
               rearrange: bool = True, rle: bool = True, meta: dict | None = None, pack: bool = False,
-              residual: bool = False) -> Codes:
+              residual: bool = False, steps: bool = False) -> Codes:
         """Add record ``name`` holding ``q``; a cyclic delta against ``prev`` when given and same size.
         ``residual``: ``q`` quantizes the weight minus the parent's reconstruction (stage ``residual/1``;
         its codes are never a cyclic delta, they mean something else than the parent's).
         ``pack``: the parts in one blob ``data`` (meta ``parts`` = [[part, nbytes], ...]): every blob
-        costs a file ~100 bytes of header (offsets, SHA-256), which small tensors feel."""
+        costs a file ~100 bytes of header (offsets, SHA-256), which small tensors feel. ``steps``: a
+        delta's codes move by a step or two (grid levels), so ``coder="auto"`` packs them in pairs
+        from fewer codes (``tuples.min_codes``)."""
         if residual or (prev is not None and prev.codes.numel() != q.numel):
             prev = None
         B = max(q.n_levels, prev.n_levels) if prev is not None else q.n_levels  # levels may change between saves
         packed = False
         if coder == "auto":
             coder, rearrange, rle = ORDER0_CODER, False, False
-            packed = tuples.size(B) > 1 and q.numel >= tuples.min_codes(B)
+            packed = tuples.size(B) > 1 and q.numel >= tuples.min_codes(B, steps=steps and prev is not None)
         # narrow codes (uint8) go in as they are: the delta and coder kernels widen value by value
         self._jobs.append((prev.codes if prev is not None else None, q.codes, B,
                            {"rearrange": rearrange, "rle": rle, "coder": coder, "tuples": packed}))
