@@ -179,3 +179,39 @@ def test_paper_encoder_is_selectable(tmp_path, digits_snapshots):
     recs = decode_container(ch.storage.read(e.file)).manifest["records"]
     w = [r for r in recs.values() if r["role"] == "weight" and r["pipeline"][0] == "dynaquant/1"]
     assert w and all(r["pipeline"][1:] == ["cyclic-delta/1", "rearrange/1", "rle/1", "huffman/1"] for r in w)
+
+
+@pytest.mark.parametrize("residual", ["never", "always"])
+def test_a_non_finite_weight_stays_exact_and_the_others_are_quantized(tmp_path, digits_snapshots, monkeypatch, residual):
+    """A save quantizes the weights without checking each finite first (the sketch pass sees every
+    value); on its NonFiniteError the weights holding inf/NaN stay exact, bit for bit, and the files
+    are those of a writer that checks every weight first."""
+    from ckptzip.methods import quantizing
+    from ckptzip.methods.dynaquant import DynaQuantMethod
+
+    torch.set_num_threads(1)
+    model, opt, snaps, _ = digits_snapshots
+    sts = [copy.deepcopy(s) for _, s in states(snaps)[:3]]
+    name = next(k for k, v in sts[1]["model"].items() if v.dim() == 2)
+    sts[1]["model"][name].view(-1)[[3, 7]] = torch.tensor([float("nan"), float("inf")])
+    checks = []
+    real = quantizing.all_finite
+    monkeypatch.setattr(quantizing, "all_finite", lambda t: checks.append(1) or real(t))
+
+    def run(root):
+        ch, out = CheckpointChain(root, "dynaquant", {"residual": residual}), []
+        for i, s in enumerate(sts):
+            n = len(checks)
+            ch.save(s, i + 1, model=model, optimizer=opt)
+            out.append(len(checks) > n)
+        return ch, out
+
+    fast, checked_fast = run(tmp_path / "fast")
+    assert checked_fast == [False, True, False]  # only the save holding inf/NaN checks each weight
+    assert fast.manifest(2)["records"][f"model/{name}"]["pipeline"][0] != "dynaquant/1"
+    assert torch.equal(fast.load(2)["model"][name].view(torch.int32), sts[1]["model"][name].view(torch.int32))
+    monkeypatch.setattr(DynaQuantMethod, "finds_nonfinite", False)  # every save checks each weight first
+    slow, checked_slow = run(tmp_path / "slow")
+    assert all(checked_slow)
+    for a, b in zip(fast.entries(), slow.entries()):
+        assert fast.storage.read(a.file) == slow.storage.read(b.file)

@@ -187,6 +187,22 @@ def test_bucket_index_rounds_to_representative():
         s.bucket_index(torch.tensor([1e30]))
 
 
+@pytest.mark.parametrize("alpha,min_value", [(0.01, 1e-30), (0.001, 1e-30), (0.05, 1e-8)])
+def test_representatives_are_the_formulas_bits(alpha, min_value):
+    # ordinal_values reads a table built once; each value must be the formula's, bit for bit, in
+    # any order and size of request, past the table's end and past its limit (computed directly)
+    s = LogSketch(alpha, min_value=min_value)
+    gamma = (1 + alpha) / (1 - alpha)
+    ords = torch.cat([torch.arange(-9000, 9000), torch.tensor([0, 70_000, -123_456, 3, -3])])
+    key = ords.abs().double() + s._zero_key
+    want = torch.copysign(torch.exp(key * math.log1p(2 * alpha / (1 - alpha))) * (2 / (1 + gamma)), ords.double())
+    want[ords == 0] = 0.0
+    for got in (s.ordinal_values(ords), torch.cat([s.ordinal_values(o) for o in ords.split(777)]),
+                LogSketch(alpha, min_value=min_value).ordinal_values(ords.flip(0)).flip(0)):
+        assert torch.equal(got.view(torch.int64), want.view(torch.int64))
+    assert s.ordinal_values(torch.zeros(0, dtype=torch.int64)).numel() == 0
+
+
 def test_empty_sketch_and_validation():
     s = LogSketch()
     assert s.count == 0 and s.num_buckets == 0

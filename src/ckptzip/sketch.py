@@ -48,6 +48,8 @@ from ckptzip.logbuckets import HAVE_NUMBA, ordinals, segment_histograms, zero_ke
 __all__ = ["LogSketch", "segment_histograms", "HAVE_NUMBA"]
 
 FORMAT = "logsketch/1"
+_MAGNITUDES: dict[tuple[float, float], torch.Tensor] = {}  # LogSketch._magnitudes's tables
+_TABLE_LIMIT = 1 << 16  # float32's whole range is ~8,000 ordinals at alpha 1 %; float64's can exceed this
 
 
 class LogSketch:
@@ -173,10 +175,25 @@ class LogSketch:
         """Bucket representative (float64) of each signed ordinal: ±2 gamma^key / (gamma + 1), 0 for 0."""
         ords = torch.as_tensor(ords)
         host = ords.cpu()  # a few thousand values: the host's exp, so a CUDA sketch answers the CPU's bits
-        key = host.abs().to(torch.float64) + self._zero_key
-        mag = torch.exp(key * self._log_gamma) * (2.0 / (1.0 + self.gamma))
-        out = torch.where(host == 0, torch.zeros_like(mag), torch.copysign(mag, host.to(torch.float64)))
-        return out.to(ords.device)
+        mags = host.abs()
+        top = int(mags.max()) if mags.numel() else 0
+        mag = self._magnitudes(top)[mags] if top < _TABLE_LIMIT else self._magnitude(mags)
+        return torch.copysign(mag, host.to(torch.float64)).to(ords.device)
+
+    def _magnitude(self, mags: torch.Tensor) -> torch.Tensor:
+        """2 gamma^key / (gamma + 1) of each |ordinal| (int64, CPU), key = |ordinal| + the zero key;
+        0.0 for ordinal 0. float64 ``torch.exp`` gives an element the same bits wherever it sits."""
+        out = torch.exp((mags.to(torch.float64) + self._zero_key) * self._log_gamma) * (2.0 / (1.0 + self.gamma))
+        return out.masked_fill_(mags == 0, 0.0)
+
+    def _magnitudes(self, top: int) -> torch.Tensor:
+        """``_magnitude`` of 0..top and beyond, computed once per (alpha, min_value): a save reads a
+        few thousand representatives in several calls, each an exp over all of them otherwise."""
+        key = (self.alpha, self.min_value)
+        table = _MAGNITUDES.get(key)
+        if table is None or table.numel() <= top:
+            table = _MAGNITUDES[key] = self._magnitude(torch.arange(max(2 * top + 1, 4096)))
+        return table
 
     def histogram(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(centers, counts) of the non-empty buckets, ascending by value.

@@ -42,6 +42,7 @@ class DynaQuantMethod(QuantizingMethod):
     space_cls = DynaQuantSpace
     delta_weights = True
     uses_gradients = True  # the search tries both prune metrics
+    finds_nonfinite = True  # quantize_tensors' sketch pass raises NonFiniteError
 
     def quantize_weights(self, state, records, qconfig, gradients):
         tensors, grads = _weights(state, records, gradients)

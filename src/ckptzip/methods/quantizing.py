@@ -60,7 +60,7 @@ from ..codec import stages as S
 from ..codec.entropy import CODERS
 from ..configcheck import OneOf, check_fields
 from .. import basestate
-from ..errors import ConfigError, CorruptCheckpointError
+from ..errors import ConfigError, CorruptCheckpointError, NonFiniteError
 from ..quant import dynaquant as dq
 from ..quant.base import QuantizedTensor, all_finite
 from ..search.config import SearchConfig
@@ -132,6 +132,9 @@ class QuantizingMethod(Method):
     space_cls: ClassVar[type[Space]]   # the method's search space (search/spaces.py)
     delta_weights: ClassVar[bool]      # weight codes are cyclic deltas against the previous save's
     uses_gradients: ClassVar[bool] = False
+    # quantize_weights raises NonFiniteError on an inf/NaN weight (its sketch pass sees every value):
+    # a save tries it unchecked, and checks each weight only after a refusal
+    finds_nonfinite: ClassVar[bool] = False
 
     def __init__(self, config=None, **overrides):
         super().__init__(config, **overrides)
@@ -183,13 +186,14 @@ class QuantizingMethod(Method):
         c = self.config.codes
         return "conditional" if c.rearrange or c.coder == "auto" else "delta"
 
-    def search_records(self, state: FlatState) -> dict[str, TensorRecord]:
-        """The weights the quantizer covers: float, of a quantizable layer type, large enough, finite."""
+    def search_records(self, state: FlatState, *, finite: bool = True) -> dict[str, TensorRecord]:
+        """The weights the quantizer covers: float, of a quantizable layer type, large enough, finite
+        (``finite=False``: not checked)."""
         min_numel = self.config.quantizer.min_numel
         return {n: r for n, r in state.records.items()
                 if r.role == "weight" and r.is_float
                 and dq.is_quantizable(r.layer_type, "weight", r.numel, min_numel=min_numel)
-                and all_finite(state.tensors[n])}
+                and (not finite or all_finite(state.tensors[n]))}
 
     def search_quantize(self, state: FlatState, knobs: dict, gradients=None) -> dict[str, QuantizedTensor]:
         """Quantize every ``search_records`` weight under the quantizer config with ``knobs`` replaced.
@@ -269,8 +273,19 @@ class QuantizingMethod(Method):
 
     # --- the loop -----------------------------------------------------------------------------
     def _quantize(self, state: FlatState, qcfg, gradients) -> dict[str, QuantizedTensor]:
+        targets = self.targets(state)
+        if self.finds_nonfinite:
+            try:
+                return self._quantized(self.quantize_weights(targets, self.search_records(state, finite=False), qcfg,
+                                                             gradients))
+            except NonFiniteError:  # rare: the weights that hold inf/NaN stay exact, the rest are quantized
+                pass
+        return self._quantized(self.quantize_weights(targets, self.search_records(state), qcfg, gradients))
+
+    @staticmethod
+    def _quantized(pairs: Iterator[tuple[str, QuantizedTensor]]) -> dict[str, QuantizedTensor]:
         out = {}
-        for name, q in self.quantize_weights(self.targets(state), self.search_records(state), qcfg, gradients):
+        for name, q in pairs:
             # narrow codes at once: int64 codes of the whole state would peak at 2x its size
             q.codes = qrecord.compact(q.codes, q.n_levels)
             out[name] = q
