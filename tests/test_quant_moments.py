@@ -150,6 +150,14 @@ def test_batched_order_statistics_equal_kthvalue_on_every_segment():
         for s, seg in enumerate(segs):
             ref = M._quantile_reference(seg, q)
             assert got[s].dtype == torch.float32 and torch.equal(got[s], ref), (s, q, got[s], ref)
+    # many segments at once: their interpolations in one torch.lerp call over a vector (its vectorized
+    # loop and its tail) give each the bits of the reference's lerp with a Python float weight
+    many = [torch.rand(int(n), generator=g) for n in torch.randint(2, 400, (300,), generator=g)]
+    at = np.array([0] + [s.numel() for s in many]).cumsum()
+    for q in (0.37, 0.9, 0.999):
+        got = M._quantiles(torch.cat(many).numpy(), at, q)
+        ref = torch.stack([M._quantile_reference(seg, q) for seg in many])
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), q
     lo, hi = np.empty(2, np.float32), np.empty(2, np.float32)
     M.K.order_pairs(np.array([2.0, -0.0, 0.0, -3.0], np.float32), np.array([0, 4, 4]), np.array([1, 0]), lo, hi)
     assert str(lo[0]) == "-0.0" and str(hi[0]) == "0.0"  # -0 below +0: a sort's order

@@ -469,8 +469,7 @@ def _sign_fused(mf: torch.Tensor, D: torch.Tensor | None, ms: list[torch.Tensor]
         K.abs_sample(m, d, offsets, np.array(strides, dtype=np.int64), at, sample)
         some = [i for i, n in enumerate(ns) if n]
         some_at = np.array([0] + [int(at[i + 1] - at[i]) for i in some]).cumsum()
-        for i, c in zip(some, _quantiles(sample[:int(at[-1])], some_at, prune)):
-            cuts[i] = float(c)
+        cuts[some] = _quantiles(sample[:int(at[-1])], some_at, prune).numpy()
     rows = [-(-n // group) for n in ns]
     scale = np.empty(sum(rows), dtype=np.int16)
     out = np.empty(sum(rows) * group, dtype=np.uint8)
@@ -498,18 +497,19 @@ def _quantile(x: torch.Tensor, q: float) -> torch.Tensor:
     return _quantiles(np.ascontiguousarray(x.detach().numpy()), np.array([0, x.numel()]), q)[0]
 
 
-def _quantiles(x: np.ndarray, at: np.ndarray, q: float) -> list[torch.Tensor]:
-    """``_quantile`` of every segment x[at[s]:at[s + 1]] (fp32, contiguous, not empty) by the kernel
-    selecting its two order statistics (momentkernels.order_pairs; numpy's partition took ~3.5x as
-    long on a checkpoint's cuts), interpolated by torch.lerp as the reference does.
+def _quantiles(x: np.ndarray, at: np.ndarray, q: float) -> torch.Tensor:
+    """``_quantile`` of every segment x[at[s]:at[s + 1]] (fp32, contiguous, not empty), one fp32
+    value each, by the kernel selecting its two order statistics (momentkernels.order_pairs; numpy's
+    partition took ~3.5x as long on a checkpoint's cuts), interpolated by torch.lerp as the
+    reference does: one call over all segments, whose fp32 weights are the ones a Python float
+    weight is rounded to, and the same bits per element (tests/test_quant_moments.py).
     ``_quantile_reference`` beside it is plain torch; tests check them equal."""
     pos = [q * (int(n) - 1) for n in np.diff(at)]
-    ranks = np.array([math.floor(p) for p in pos], dtype=np.int64)
+    ranks = [math.floor(p) for p in pos]
     lo, hi = np.empty(len(pos), dtype=np.float32), np.empty(len(pos), dtype=np.float32)
-    K.order_pairs(x, at, ranks, lo, hi)
-    lo_t, hi_t = torch.from_numpy(lo), torch.from_numpy(hi)  # 0-dim views of these: torch.lerp's scalar loop
-    return [lo_t[i] if p == r else torch.lerp(lo_t[i], hi_t[i], p - r)
-            for i, (p, r) in enumerate(zip(pos, ranks.tolist()))]
+    K.order_pairs(x, at, np.array(ranks, dtype=np.int64), lo, hi)
+    lo_t, w = torch.from_numpy(lo), torch.tensor([p - r for p, r in zip(pos, ranks)], dtype=torch.float32)
+    return torch.where(w == 0, lo_t, torch.lerp(lo_t, torch.from_numpy(hi), w))
 
 
 def _quantile_reference(x: torch.Tensor, q: float) -> torch.Tensor:
