@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from ckptzip.errors import NonFiniteError
-from ckptzip.quant import dynaquant as dq
+from ckptzip.quant import dqbatch, dynaquant as dq
 from ckptzip.quant.dqbatch import CHUNK, Sketched, quantize_tensors
+from ckptzip.sketch import LogSketch
 
 LTS = {"fc1.weight": "linear", "fc2.weight": "linear", "fc3.weight": "other"}
 
@@ -201,3 +202,24 @@ def test_trimmed_sketch_rows_equal_the_partition_pass():
         for a, b in zip(want[0], got[0]):
             assert torch.equal(a, b), (prune, pm)
         assert list(want[1]) == list(got[1]) and list(want[2]) == list(got[2]), (prune, pm)
+
+
+def test_merged_rows_and_row_quantiles_equal_the_sketchs_own():
+    # the plan's numpy shortcuts against LogSketch itself: a union of rows (overlapping ordinals,
+    # an empty row, a lone zero bucket) and each row's quantile, bit for bit; NaN for an empty row
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(5000, generator=g), torch.randn(300, generator=g) * 1e-3, torch.zeros(0),
+          torch.zeros(7), torch.randn(2000, generator=g).exp() * 1e4]
+    sketches = [LogSketch(0.01).add(x) for x in xs]
+    rows = [(s._ord, s._counts) for s in sketches]
+    union = LogSketch(0.01)
+    for s in sketches:
+        union.merge(s)
+    merged = dqbatch._merged(rows, 0.01)
+    assert torch.equal(merged._ord, union._ord) and torch.equal(merged._counts, union._counts)
+    assert dqbatch._merged([], 0.01).count == 0
+    for q in (0.0, 0.1, 0.5, 0.999, 1.0):
+        got = dqbatch.row_quantiles(rows, q, 0.01)
+        want = [s.quantile(q) if s.count else math.nan for s in sketches]
+        assert got[:2] + got[3:] == want[:2] + want[3:] and math.isnan(got[2]), q
+        assert union.quantile(q) == float(union.quantile([q])[0])  # the scalar path is the vector one's

@@ -269,24 +269,40 @@ def _rows(csr) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(ords[a:b], counts[a:b]) for a, b in zip(at[:-1], at[1:])]
 
 
+# The two below work on the rows' host arrays with numpy (the rows are the CPU kernels' output): a
+# save calls them once a layer type, where each torch call costs more than its few thousand values.
+
 def _merged(rows, alpha: float) -> LogSketch:
-    return LogSketch.from_counts(torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]), alpha)
+    """``LogSketch.from_counts`` of the rows concatenated (their union: the counts of equal ordinals
+    added), by one ``bincount``."""
+    ords, counts = _joined(rows)
+    if not ords.size:
+        return LogSketch(alpha)
+    lo = int(ords.min())
+    dense = np.bincount(ords - lo, weights=counts)  # float64: exact below 2**53 values
+    nz = np.flatnonzero(dense)
+    return LogSketch.from_counts(torch.from_numpy(nz + lo), torch.from_numpy(dense[nz].astype(np.int64)), alpha,
+                                 sorted_unique=True)
 
 
 def row_quantiles(rows, q: float, alpha: float) -> list[float]:
-    """``LogSketch.quantile(q)`` of every row at once (same ranks, same searchsorted)."""
-    ords = torch.cat([r[0] for r in rows])
-    counts = torch.cat([r[1] for r in rows])
-    n = torch.tensor([int(r[1].sum()) for r in rows], dtype=torch.int64)
-    sizes = torch.tensor([r[0].numel() for r in rows], dtype=torch.int64)
-    cum = torch.cumsum(counts, 0)
-    start = torch.cumsum(sizes, 0) - sizes
-    before = torch.cat([torch.zeros(1, dtype=torch.int64), cum])[start]
-    rank = torch.tensor([math.floor(q * (int(v) - 1)) for v in n], dtype=torch.int64)
-    pos = torch.searchsorted(cum, before + rank, right=True)
-    pos = torch.minimum(pos, start + sizes - 1)
-    vals = LogSketch(alpha).ordinal_values(ords[pos])
-    return [float(v) if int(m) else math.nan for v, m in zip(vals, n)]
+    """``LogSketch.quantile(q)`` of every row at once (same ranks, same search; NaN for an empty row)."""
+    ords, counts = _joined(rows)
+    sizes = np.fromiter((r[0].numel() for r in rows), np.int64, len(rows))
+    cum = np.concatenate([[0], np.cumsum(counts)])
+    end = np.cumsum(sizes)
+    start = end - sizes
+    n = (cum[end] - cum[start]).tolist()
+    rank = np.array([math.floor(q * (v - 1)) for v in n], dtype=np.int64)
+    pos = np.minimum(np.searchsorted(cum[1:], cum[start] + rank, side="right"), end - 1)
+    vals = LogSketch(alpha).ordinal_values(torch.from_numpy(ords[pos])).tolist()
+    return [v if m else math.nan for v, m in zip(vals, n)]
+
+
+def _joined(rows) -> tuple[np.ndarray, np.ndarray]:
+    if not rows:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate([r[0].numpy() for r in rows]), np.concatenate([r[1].numpy() for r in rows])
 
 
 def _partition_params(name: str, plan: dq.DynaQuantPlan) -> tuple:
