@@ -217,7 +217,7 @@ def test_trainer_folder_compress_restore(run, tmp_path):
     assert CheckpointChain(str(crc)).manifest(s1.step)["format_version"] == 2
     r = cli("compress", d1, "--out", tmp_path / "md5", "--checksum", "md5")
     assert r.exit_code == 2 and "--checksum must be one of sha256, crc32, blake3" in r.stderr
-    assert CheckpointChain(str(chain)).manifest(s1.step)["format_version"] == 3  # the default: BLAKE3
+    assert CheckpointChain(str(chain)).manifest(s1.step)["format_version"] == 4  # the default: BLAKE3, one tensor
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "md5").exists()
 
 

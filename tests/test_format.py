@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckptzip.errors import CkptzipError, CorruptCheckpointError, FormatVersionError
-from ckptzip.format import (CHECKSUMS, DEFAULT_CHECKSUM, FORMAT_VERSION, container_payload, decode_container,
+from ckptzip.format import (BLOBS_KEY, CHECKSUMS, DEFAULT_CHECKSUM, FORMAT_VERSION, container_payload, decode_container,
                             encode_container, read_manifest, unpack_manifest)
 from ckptzip.methods.base import EncodeContext
 from ckptzip.methods.lossless import LosslessMethod
@@ -72,11 +72,11 @@ def test_golden_bytes_are_reproduced():
     assert encode_container(manifest, blobs, checksum="sha256") == GOLDEN  # golden_v1: format version 1
 
 
-def test_default_checksum_is_blake3_format_3():
-    """Files are written with BLAKE3 blob checksums (format version 3) unless asked otherwise; every
-    checksum round-trips and its file names its version."""
+def test_default_checksum_is_blake3_format_4():
+    """Files are written with BLAKE3 blob checksums and the blobs as one safetensors tensor (format
+    version 4) unless asked otherwise; every checksum round-trips and its file names its version."""
     manifest, blobs = golden.golden_container()
-    assert DEFAULT_CHECKSUM == "blake3" and FORMAT_VERSION == 3
+    assert DEFAULT_CHECKSUM == "blake3" and FORMAT_VERSION == 4
     for kind, version in CHECKSUMS.items():
         data = encode_container(manifest, blobs, **({} if kind == DEFAULT_CHECKSUM else {"checksum": kind}))
         c = decode_container(data)
@@ -104,8 +104,13 @@ def test_a_rewritten_version_cannot_skip_the_blob_check():
             data = encode_container(manifest, blobs, checksum=kind)
             forged = data.replace(f'"ckptzip.format":"{version}"'.encode(), f'"ckptzip.format":"{other}"'.encode(), 1)
             assert forged != data
-            with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
+            # across version 4's layout the header no longer matches; else the blob check fails
+            layout = (version >= 4) != (other >= 4)
+            with pytest.raises(CorruptCheckpointError, match="does not match" if layout else "fails its checksum"):
                 decode_container(forged)
+    v3 = encode_container(manifest, blobs).replace(b'"ckptzip.format":"4"', b'"ckptzip.format":"3"', 1)
+    with pytest.raises(CorruptCheckpointError, match="header does not match"):
+        decode_container(v3)  # BLAKE3 either way: the layout is what version 3 would have written
 
 
 def test_payload_is_the_container_in_parts_without_copies():
@@ -179,6 +184,11 @@ def test_safetensors_reads_golden_and_real(tmp_path, real_container):
             meta = f.metadata()
             assert meta["ckptzip.format"] == str(c.manifest["format_version"])
             assert unpack_manifest(meta["ckptzip.manifest"]) == c.manifest
+            if c.manifest["format_version"] >= 4:  # one tensor: the blobs in sorted key order
+                assert list(f.keys()) == [BLOBS_KEY]
+                t = f.get_tensor(BLOBS_KEY)
+                assert t.dtype == torch.uint8 and t.numpy().tobytes() == b"".join(c.blobs[k] for k in sorted(c.blobs))
+                continue
             assert sorted(f.keys()) == sorted(c.blobs)
             for k, blob in c.blobs.items():
                 t = f.get_tensor(k)
@@ -323,8 +333,8 @@ def test_forged_headers_raise_typed_errors(what, data, msg):
 
 def test_newer_format_version_is_a_format_version_error():
     mstr = '{"blobs":{}}'
-    with pytest.raises(FormatVersionError, match="format version 4.*upgrade ckptzip"):
-        decode_container(forge_manifest(mstr, version="4"))  # 2: crc32, 3: blake3 blob checksums (issue 15)
+    with pytest.raises(FormatVersionError, match="format version 5.*upgrade ckptzip"):
+        decode_container(forge_manifest(mstr, version="5"))  # 2: crc32, 3: blake3, 4: one tensor (issue 15)
     assert issubclass(FormatVersionError, ValueError) and issubclass(CorruptCheckpointError, ValueError)
 
 

@@ -22,6 +22,7 @@ from ckptzip import CheckpointChain
 DATA = Path(__file__).resolve().parent / "data"
 V1, V2 = DATA / "golden_methods_v1", DATA / "golden_methods_v2"
 V2_ANS = DATA / "golden_methods_v2_ans"  # v2 chains as written before rans/1 replaced ans/1 (frozen)
+V3 = DATA / "golden_methods_v3"  # v2 chains in format version 3, a safetensors tensor a blob (frozen)
 INPUTS = json.loads((V1 / "inputs.json").read_text())
 EXPECTED = {"v1": json.loads((V1 / "expected.json").read_text()), "v2": json.loads((V2 / "expected.json").read_text())}
 _spec = importlib.util.spec_from_file_location("make_golden_methods", DATA / "make_golden_methods.py")
@@ -70,6 +71,17 @@ def test_current_chain_decodes_as_written(name, values):
 def test_ans_coded_chain_decodes_as_its_rans_successor(name, values):
     """The same chains coded with ans/1 (grid moments included) restore what v2's rans/1 files do."""
     _restores_as_expected(V2_ANS, name, EXPECTED["v2"][name], values)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in V3.iterdir()))
+def test_format_3_chain_decodes_as_its_format_4_successor(name, values):
+    """Four v2 chains as written before format version 4 put every blob in one safetensors tensor
+    restore what today's files of the same chains do."""
+    old, new = CheckpointChain(V3 / name), CheckpointChain(V2 / name)
+    assert old.steps() == new.steps()
+    assert {old.manifest(s)["format_version"] for s in old.steps()} == {3}
+    assert {new.manifest(s)["format_version"] for s in new.steps()} == {4}
+    _restores_as_expected(V3, name, EXPECTED["v2"][name], values)
 
 
 @pytest.mark.parametrize("name", sorted(n for n, (_, _, search) in {**golden.CHAINS, **golden.CHAINS_CURRENT}.items()

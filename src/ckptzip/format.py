@@ -4,8 +4,11 @@ Byte layout (see docs/FORMAT.md for the full specification)::
 
     u64 little-endian N | N bytes header JSON (canonical, space-padded to a multiple of 8) | blobs
 
-The header is a standard safetensors header: every blob is a ``U8`` tensor of shape ``[nbytes]``
-and ``__metadata__`` holds three strings: ``ckptzip.format`` (the format version), ``ckptzip.manifest``
+The header is a standard safetensors header: the blobs, one after the other in sorted key order,
+are one ``U8`` tensor ``ckptzip.blobs`` (format version 4; versions 1-3 listed every blob as a
+tensor of its own, whose entries came to 3 % of a small GPT chain's files and 13 % of a deep one's
+with ~1,000 blobs: docs/BENCHMARKS.md), each blob's place given by the manifest's blob table, and
+``__metadata__`` holds three strings: ``ckptzip.format`` (the format version), ``ckptzip.manifest``
 (the manifest JSON; above 4 KiB stored as ``zstd+b64:`` + base64 of its zstd frame, since per-record
 metadata reaches ~15 % of a small delta: level 9 where the manifest is over 1/16 of the blobs' bytes,
 else level 1, 8x faster and ~7 % larger, a few hundred bytes of a file of megabytes) and
@@ -19,8 +22,9 @@ readers refuse a newer version by name):
 
     version 1  SHA-256
     version 2  CRC-32 (``checksum="crc32"``): against accidental corruption only
-    version 3  BLAKE3 (the default): a cryptographic hash like SHA-256, 4x faster here (5.9 against
-               1.5 GB/s with SHA-NI on one core), where SHA-256 took 15 % of a lossless save
+    version 3  BLAKE3: a cryptographic hash like SHA-256, 4x faster here (5.9 against 1.5 GB/s
+               with SHA-NI on one core), where SHA-256 took 15 % of a lossless save
+    version 4  BLAKE3, the blobs as one safetensors tensor (the default; versions 1-3: a tensor a blob)
 """
 from __future__ import annotations
 
@@ -37,11 +41,14 @@ from .codec.frames import zstd_compress, zstd_decompress
 from .errors import CorruptCheckpointError, FormatVersionError
 from .payload import Payload
 
-CHECKSUMS = {"sha256": 1, "crc32": 2, "blake3": 3}  # a blob checksum -> the format version of the files that use it
+CHECKSUMS = {"sha256": 1, "crc32": 2, "blake3": 4}  # a blob checksum -> the format version of the files that use it
+_CHECKSUM_OF = {1: "sha256", 2: "crc32", 3: "blake3", 4: "blake3"}  # a version -> its blobs' checksum
+_ONE_TENSOR = 4  # from this version on, the blobs are one safetensors tensor
 DEFAULT_CHECKSUM = "blake3"
 FORMAT_VERSION = CHECKSUMS[DEFAULT_CHECKSUM]      # the version written by default
-NEWEST_VERSION = max(CHECKSUMS.values())  # the newest version this reader reads
+NEWEST_VERSION = max(_CHECKSUM_OF)  # the newest version this reader reads
 MAGIC_KEY = "ckptzip.format"
+BLOBS_KEY = "ckptzip.blobs"  # version 4's one tensor: every blob, in sorted key order
 _MAX_HEADER = 256 * 1024 * 1024  # a header this large is not ours: refuse before allocating
 _PACKED = "zstd+b64:"              # prefix of a compressed manifest (JSON text starts with "{")
 _PACK_ABOVE = 4096                 # manifests up to this many characters stay plain JSON
@@ -92,10 +99,15 @@ def _dumps(obj) -> str:
 def _header_bytes(manifest_str: str, sizes: list[tuple[str, int]], version: int = 1) -> bytes:
     header: dict = {"__metadata__": {MAGIC_KEY: str(version), "ckptzip.manifest": manifest_str,
                                      "ckptzip.sha256": sha256(manifest_str.encode())}}
-    off = 0
-    for key, n in sizes:
-        header[key] = {"dtype": "U8", "shape": [n], "data_offsets": [off, off + n]}
-        off += n
+    if version >= _ONE_TENSOR:
+        total = sum(n for _, n in sizes)
+        if total:
+            header[BLOBS_KEY] = {"dtype": "U8", "shape": [total], "data_offsets": [0, total]}
+    else:
+        off = 0
+        for key, n in sizes:
+            header[key] = {"dtype": "U8", "shape": [n], "data_offsets": [off, off + n]}
+            off += n
     raw = _dumps(header).encode()
     return raw + b" " * (-len(raw) % 8)  # safetensors pads the header with spaces to 8 bytes
 
@@ -154,7 +166,7 @@ def decode_container(data: bytes | memoryview, *, name: str = "checkpoint", veri
     if version > NEWEST_VERSION:
         raise FormatVersionError(f"{name}: written by format version {version}, this ckptzip reads up to "
                                  f"{NEWEST_VERSION}; upgrade ckptzip")
-    checksum = next(k for k, v in CHECKSUMS.items() if v == version)
+    checksum = _CHECKSUM_OF[version]
     mstr = meta.get("ckptzip.manifest")
     if not isinstance(mstr, str) or meta.get("ckptzip.sha256") != sha256(mstr.encode()):
         raise bad("manifest checksum mismatch")
