@@ -114,6 +114,12 @@ class EncoderTensors(Mapping):
         return len(self._names)
 
 
+def exact_groups(exact: Mapping[str, torch.Tensor]) -> Mapping[str, GroupWords]:
+    """The group words a reference's exact tensors keep: an encoder's (EncoderTensors), else none (a
+    reference decoded by a restore holds plain tensors)."""
+    return exact.groups if isinstance(exact, EncoderTensors) else {}
+
+
 @dataclass
 class _Group:
     tensors: list = field(default_factory=list)

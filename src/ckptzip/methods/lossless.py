@@ -38,7 +38,7 @@ from ..parallel import thread_map
 from ..state import FlatState, TensorRecord
 from ..tensorbytes import BITS_DTYPE, host, tensor_from_bytes, tensor_from_words, to_numpy_bits, torch_dtype
 from .base import DecodeContext, EncodeContext, Encoded, Method, Reference, register
-from .groups import GROUP_BELOW, EncoderTensors, GroupWords, GroupWriter, group_key, group_words
+from .groups import GROUP_BELOW, EncoderTensors, GroupWords, GroupWriter, exact_groups, group_key, group_words
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class LosslessReference(Reference):
 
     @property
     def groups(self) -> Mapping[str, GroupWords]:
-        return self.exact.groups if isinstance(self.exact, EncoderTensors) else {}
+        return exact_groups(self.exact)
 
     def tensors(self) -> Iterator[torch.Tensor]:
         return iter(self.exact.values())

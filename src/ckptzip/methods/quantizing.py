@@ -69,7 +69,7 @@ from ..state import FlatState, TensorRecord
 from . import moments, qrecord
 from .base import (DecodeContext, EncodeContext, Encoded, ExactGroups, Method, Reference, decode_exact, encode_exact,
                    is_exact)
-from .groups import GROUP_BELOW, EncoderTensors, GroupWriter
+from .groups import GROUP_BELOW, EncoderTensors, GroupWriter, exact_groups
 
 CODER_CHOICES = ("auto", *CODERS)
 
@@ -399,7 +399,7 @@ class QuantizingMethod(Method):
                                             residual=name in bases)
         batch.flush()
         kept = small.flush(groups, None if enc.keyframe else prev.exact,
-                           prev.exact.groups if prev is not None and isinstance(prev.exact, EncoderTensors) else {})
+                           {} if prev is None else exact_groups(prev.exact))
         groups.flush(enc)
         # an async save's search ran in the trainer (asyncsearch.py): its info carries its own search_s
         enc.meta["summary"] = {**{k: getattr(qcfg, k) for k in self._knob_names()}, "search_s": round(search_s, 3),
