@@ -215,3 +215,17 @@ def test_a_non_finite_weight_stays_exact_and_the_others_are_quantized(tmp_path, 
     assert all(checked_slow)
     for a, b in zip(fast.entries(), slow.entries()):
         assert fast.storage.read(a.file) == slow.storage.read(b.file)
+
+
+def test_config_dict_is_built_once_per_config():
+    # every manifest embeds the config: its dict is kept between saves, and rebuilt for a new config
+    import dataclasses
+
+    from ckptzip.methods.base import get_method
+
+    m = get_method("dynaquant")
+    first = m.config_dict()
+    assert first == dataclasses.asdict(m.config) and m.config_dict() is first
+    m.config = dataclasses.replace(m.config, residual="never")
+    assert m.config_dict()["residual"] == "never" and first["residual"] != "never"
+    assert get_method("bitsnap").config_dict() == dataclasses.asdict(get_method("bitsnap").config)

@@ -91,6 +91,28 @@ def test_chunks_threads_and_errors(snap, monkeypatch):
         dq.quantize(x, "fc2.weight", plan)
 
 
+def test_a_batch_takes_the_threads_spare_buffer_and_never_shares_it(snap, monkeypatch):
+    # quantize_tensors packs into the thread's spare buffer and hands it back; a batch alive beside
+    # another (the config search's) packs into a fresh one, and every result is the fresh-buffer one
+    monkeypatch.setattr(dqbatch, "_spare", type(dqbatch._spare)())
+    specs = _specs(snap)
+    want = quantize_tensors(specs, dq.DynaQuantConfig())[1]
+    spare = dqbatch._spare.buf
+    assert spare is not None and spare.numel() >= sum(t.numel() for n, (t, *_) in specs.items() if n != "fc1.bias")
+    held = Sketched(specs, dq.DynaQuantConfig())  # takes the spare ...
+    assert held.chunks[0].x._base is spare and dqbatch._spare.buf is None
+    got = quantize_tensors(specs, dq.DynaQuantConfig())[1]  # ... so this batch packs into a fresh one
+    assert held.chunks[0].x._base is spare and all(_same(got[n], want[n]) for n in want)
+    other = dqbatch._spare.buf
+    assert other is not None and other is not spare
+    plan = held.plan(dq.DynaQuantConfig())
+    assert all(_same(q, want[n]) for n, q in held.quantize(plan).items())  # its buffer was not overwritten
+    monkeypatch.setattr(dqbatch, "SPARE_KEEP", 16)  # a buffer over the limit is not kept
+    monkeypatch.setattr(dqbatch, "_spare", type(dqbatch._spare)())
+    quantize_tensors(specs, dq.DynaQuantConfig())
+    assert getattr(dqbatch._spare, "buf", None) is None
+
+
 def test_search_sketch_quantizes_exactly_and_estimates_closely(snap):
     from ckptzip.methods import qrecord
     from ckptzip.quant.dqsearch import SearchSketch, joint_counts, joint_counts_reference

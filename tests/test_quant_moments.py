@@ -163,6 +163,36 @@ def test_batched_order_statistics_equal_kthvalue_on_every_segment():
     assert str(lo[0]) == "-0.0" and str(hi[0]) == "0.0"  # -0 below +0: a sort's order
 
 
+@pytest.mark.skipif(not M.K.HAVE_NUMBA, reason="the selection kernel needs numba")
+def test_prune_cuts_a_tensor_at_a_time_equal_the_whole_batchs_sample():
+    # abs_cuts (each tensor's |m / D| sample and its two order statistics, a tensor at a time) against
+    # abs_sample over the batch then order_pairs, and the torch reference: empty tensors, strided
+    # samples (from 131072 values), no D (u = m), ties and -0
+    g = torch.Generator().manual_seed(1)
+    ns = [0, 1, 7, 300, 0, 5000, 131_073, 200_000, 64]
+    m = torch.randn(sum(ns), generator=g)
+    m[:400] = torch.tensor([0.0, -0.0]).repeat(200)
+    D = torch.rand(sum(ns), generator=g).add_(1e-3)
+    offsets = M._cumsum(ns)
+    strides = np.array([M._cut_stride(n) for n in ns], dtype=np.int64)
+    sizes = [-(-n // int(st)) for n, st in zip(ns, strides)]
+    for q in (0.0, 0.37, 0.9, 1.0):
+        ranks, w = M._ranks(sizes, q)
+        for d in (D.numpy(), D.numpy()[:0]):
+            lo, hi = np.zeros(len(ns), np.float32), np.zeros(len(ns), np.float32)
+            M.K.abs_cuts(m.numpy(), d, offsets, strides, ranks, lo, hi, np.empty(max(sizes), np.float32))
+            got = M._lerp(lo, hi, w)
+            at = M._cumsum(sizes)
+            sample = np.empty(int(at[-1]), np.float32)
+            M.K.abs_sample(m.numpy(), d, offsets, strides, at, sample)
+            some = [i for i, n in enumerate(ns) if n]
+            want = M._quantiles(sample, np.array([0] + [sizes[i] for i in some]).cumsum(), q)
+            assert torch.equal(got[some].view(torch.int32), want.view(torch.int32)), (q, d.size)
+            for i in some:
+                seg = sample[at[i]:at[i + 1]]
+                assert torch.equal(got[i], M._quantile_reference(torch.from_numpy(seg), q)), (q, i)
+
+
 def test_all_finite_is_finite_in_fp32():
     from ckptzip.quant.base import all_finite
 

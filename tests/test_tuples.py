@@ -44,6 +44,27 @@ def test_kernels_match_the_torch_reference(B, dtype):
             assert torch.equal(tuples.unpack(fast, n, B, prev=prev, backend=backend), codes.to(torch.uint8))
 
 
+@numba_only
+def test_pack_many_is_pack_of_each_stream():
+    g = torch.Generator().manual_seed(3)
+    for Bs, dtype in (([3, 2, 3, 4, 5, 3], torch.uint8), ([17, 32, 20], torch.int16), ([6, 7, 8], torch.int64)):
+        sizes = [0, 1, 5, 4099, 30, 2][:len(Bs)]
+        codes = [torch.randint(0, B, (n,), generator=g).to(dtype).numpy() for B, n in zip(Bs, sizes)]
+        prevs = [None if i % 2 else torch.randint(0, B, (n,), generator=g).to(torch.uint8).numpy()
+                 for i, (B, n) in enumerate(zip(Bs, sizes))]
+        got = tuples.pack_many(codes, Bs, prevs)
+        want = [tuples.pack(c, B, prev=p) for c, B, p in zip(codes, Bs, prevs)]
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(got, want))
+    # a bad code (or a bad prev code) leaves its stream to the caller, the others packed
+    codes = [np.ones(50, np.uint8), np.ones(50, np.uint8), np.ones(50, np.uint8)]
+    codes[1][7] = 3
+    prevs = [None, None, np.full(50, 9, np.uint8)]
+    got = tuples.pack_many(codes, [3, 3, 3], prevs)
+    assert got[1] is None and got[2] is None and np.array_equal(got[0], tuples.pack(codes[0], 3))
+    with pytest.raises(ValueError, match="one symbol dtype"):
+        tuples.pack_many([codes[0], codes[0]], [3, 32], [None, None])
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_pack_refuses_a_code_outside_the_alphabet(backend):
     for bad in (3, 200, -1):

@@ -13,6 +13,8 @@ gets each array's address and length and views it with ``segment``::
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from .codec.huffman import HAVE_NUMBA
@@ -30,8 +32,7 @@ def addresses(arrays: list[np.ndarray], dtype) -> tuple[np.ndarray, np.ndarray]:
             raise ValueError(f"in-place kernel input must be C-contiguous 1-D {dtype}, got {a.dtype} "
                              f"of shape {a.shape}{'' if a.flags.c_contiguous else ' (strided)'}")
     addr = np.fromiter((a.ctypes.data for a in arrays), dtype=np.int64, count=len(arrays))
-    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
-    np.cumsum([a.size for a in arrays], out=offsets[1:])
+    offsets = np.fromiter(itertools.accumulate((a.size for a in arrays), initial=0), np.int64, len(arrays) + 1)
     return addr, offsets
 
 

@@ -44,6 +44,7 @@ the digits MLP) its SSE is 0.97-1.00x that of
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -247,8 +248,10 @@ def _density_seeds(x: torch.Tensor, w: torch.Tensor, n: torch.Tensor, k: int) ->
     return x.gather(1, idx.reshape(R, S * k)).reshape(R, S, k)
 
 
+@functools.lru_cache(maxsize=16)
 def _seed_grids(k: int) -> torch.Tensor:
-    """The three quantile grids a density seeding places k centers at, concatenated (3k,)."""
+    """The three quantile grids a density seeding places k centers at, concatenated (3k,); built once
+    per k (every save's k-means asks again), so read-only."""
     i = torch.arange(k, dtype=torch.float64)
     return torch.cat([(i + 0.5) / k, i / max(k - 1, 1), (i + 0.25) / (k - 0.5)])
 
@@ -388,7 +391,7 @@ def _check_args(k: int, sigma: float, max_iter: int, tol: float) -> None:
 
 
 if _numba is not None:
-    @_numba.njit(cache=True, nogil=True)
+    @_numba.njit(cache=True, nogil=True, error_model="numpy")  # vectorized divisions (momentkernels)
     def _lloyd_kernel(x, n, cw, cwx, cwxx, tol_abs, max_iter, c, cost):  # pragma: no cover - compiled
         R, S, k = c.shape
         b = np.empty(k + 1, dtype=np.int64)
@@ -439,7 +442,7 @@ if _numba is not None:
                     acc += swxx - 2.0 * cc[j] * swx + cc[j] * cc[j] * sw
                 cost[r, s] = acc
 
-    @_numba.njit(cache=True, nogil=True)
+    @_numba.njit(cache=True, nogil=True, error_model="numpy")  # vectorized divisions (momentkernels)
     def _density_inputs(xf, cf, ptr, pad, sigma, rest, x, w, s, dens):  # pragma: no cover - compiled
         """Padded (R, B) points, ``_weights_rows``' weights, ``_density_seeds``' spacings and densities
         of the rows xf/cf[ptr[r]:ptr[r + 1]] (each of n >= 2 points), summed in order as torch's cumsum."""
@@ -469,7 +472,7 @@ if _numba is not None:
             for j in range(B):
                 dens[r, j] = w[r, j] / max(s[r, j], 1e-300)
 
-    @_numba.njit(cache=True, nogil=True)
+    @_numba.njit(cache=True, nogil=True, error_model="numpy")  # vectorized divisions (momentkernels)
     def _density_lloyd(x, w, n, s, powers, grids, max_iter, tol, out):  # pragma: no cover - compiled
         """``_density_seeds`` from the densities' powers (E, R, B), then ``_lloyd_kernel`` on every
         seeding, and each row's seeding of least cost (the first on ties) into ``out`` (R, k)."""

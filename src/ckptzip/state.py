@@ -298,10 +298,12 @@ def flatten_state(state: dict, model: nn.Module | None = None,
             lt = ltypes[key] = _guess_layer(key, t)
         return lt
 
-    def record(path: list, t: torch.Tensor) -> dict:
-        name = "/".join(map(str, path))
+    model_keys = model_sd is not None
+
+    def record(path: list, name: str, t: torch.Tensor) -> dict:
         # data_ptr() is the storage's address plus the offset: with shape, strides and dtype, one view
-        key = (t.data_ptr(), t.shape, t.stride(), t.dtype) if t.numel() else None
+        shape = t.shape
+        key = (t.data_ptr(), shape, t.stride(), t.dtype) if t.numel() else None
         if key in seen:
             return {"__t": "alias", "ref": seen[key]}
         if key is not None:
@@ -309,52 +311,55 @@ def flatten_state(state: dict, model: nn.Module | None = None,
         if name in tensors:
             raise UnsupportedStateError(f"two tensors map to the record name {name!r}; rename one of the keys")
         role, ltype, param = "tensor", "other", None
-        if len(path) == 2 and path[0] == "model" and model_sd is not None:
+        n = len(path)
+        if n == 2 and model_keys and path[0] == "model":
             key = str(path[1])
             param = key
             is_param = key in params if params is not None else t.is_floating_point() and not key.endswith(
                 ("running_mean", "running_var"))
             role = "weight" if is_param else "buffer"
             ltype = layer(key, t)
-        elif len(path) == 4 and path[0] == "optimizer" and path[1] == "state":
+        elif n == 4 and path[0] == "optimizer" and path[1] == "state":
             role = "step" if path[3] == "step" else str(path[3])
             param = pnames.get(path[2]) if isinstance(path[2], int) else None
             if param is not None:
                 ltype = layer(param, model_sd[param]) if model_sd and param in model_sd else ltypes.get(param, "other")
-        records[name] = TensorRecord(name, role, dtype_name(t.dtype), tuple(t.shape), ltype, param)
+        records[name] = TensorRecord(name, role, dtype_name(t.dtype), tuple(shape), ltype, param)
         tensors[name] = t.detach() if t.requires_grad else t  # state_dict()s hand out detached tensors
         return {"__t": "tensor", "ref": name}
 
-    def walk(obj, path):
+    def walk(obj, path: list, name: str):
+        """``obj`` at ``path`` -> its skeleton; ``name``: the path's record name ("/".join(map(str, path)))."""
         if isinstance(obj, torch.Tensor):
-            return record(path, obj)
+            return record(path, name, obj)
         if isinstance(obj, np.ndarray):
             # carry the exact bits in a same-width torch dtype; the numpy dtype goes in the skeleton
             arr = np.ascontiguousarray(obj)
             carrier = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}.get(arr.dtype.itemsize)
             if arr.dtype.kind not in "biuf" or carrier is None:
-                raise UnsupportedStateError(f"numpy array of dtype {arr.dtype} at {'/'.join(map(str, path))} is not "
+                raise UnsupportedStateError(f"numpy array of dtype {arr.dtype} at {name} is not "
                                             "supported; convert it to a bool, int or float array")
-            ref = record(path, torch.from_numpy(arr.view(carrier).copy()))
+            ref = record(path, name, torch.from_numpy(arr.view(carrier).copy()))
             return {"__t": "ndarray", "ref": ref["ref"], "np": arr.dtype.str}
         if isinstance(obj, np.generic):
-            return walk(obj.item(), path)
+            return walk(obj.item(), path, name)
+        at = name + "/" if path else ""  # a child's record name is this one's, "/", its key
         if isinstance(obj, dict):
             if all(isinstance(k, str) and not k.startswith("__t") for k in obj):
-                return {k: walk(v, path + [k]) for k, v in obj.items()}
+                return {k: walk(v, path + [k], at + k) for k, v in obj.items()}
             items = []
             for k, v in obj.items():
                 if not isinstance(k, str | int | float | bool | type(None)):
-                    raise UnsupportedStateError(f"dict key {k!r} at {'/'.join(map(str, path))} must be "
+                    raise UnsupportedStateError(f"dict key {k!r} at {name} must be "
                                                 "str/int/float/bool; convert it to a string")
-                items.append([k, walk(v, path + [k])])
+                items.append([k, walk(v, path + [k], at + str(k))])
             return {"__t": "dict", "items": items}
         if isinstance(obj, list):
-            return [walk(v, path + [i]) for i, v in enumerate(obj)]
+            return [walk(v, path + [i], at + str(i)) for i, v in enumerate(obj)]
         if isinstance(obj, torch.Size):  # before tuple: Size subclasses it
             return {"__t": "size", "v": list(obj)}
         if isinstance(obj, tuple):
-            return {"__t": "tuple", "v": [walk(v, path + [i]) for i, v in enumerate(obj)]}
+            return {"__t": "tuple", "v": [walk(v, path + [i], at + str(i)) for i, v in enumerate(obj)]}
         if isinstance(obj, bool) or obj is None or isinstance(obj, str):
             return obj
         if isinstance(obj, int):
@@ -366,11 +371,11 @@ def flatten_state(state: dict, model: nn.Module | None = None,
         if isinstance(obj, torch.dtype):
             return {"__t": "dtype", "v": str(obj).removeprefix("torch.")}
         raise UnsupportedStateError(
-            f"cannot store {type(obj).__name__} at {'/'.join(map(str, path)) or '<root>'} without pickle; "
+            f"cannot store {type(obj).__name__} at {name or '<root>'} without pickle; "
             "convert it to tensors, numbers, strings, lists or dicts")
 
     try:
-        skeleton = walk(state, [])
+        skeleton = walk(state, [], "")
     finally:
         del walk  # a recursive closure is a reference cycle: it would hold the records until a gc pass
     return FlatState(tensors, records, skeleton, {"param_link": link})

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..tensorbytes import INT_DTYPES, to_numpy_bits
+from ..tensorbytes import INT_DTYPES, numpy_dtype, to_numpy_bits
 from . import delta as _delta
 from . import rle as _rle
 from . import tuples as _tuples
@@ -193,10 +193,12 @@ def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, in
     for i, (prev, cur, n_levels, options) in enumerate(jobs):
         if not (_batchable(prev, cur, n_levels, options) and rans.HAVE_NUMBA):
             continue
+        # a kind is a kernel call's symbols' numpy dtype and its prevs' (one dtype each): packed
+        # symbols and plain uint8 codes without a delta share one call
         if options.get("tuples", False):  # packed with the batch, a delta taken on the way: plain symbols
             kind, size = (_tuples.symbol_dtype(int(n_levels)), None), -(-cur.numel() // _tuples.size(int(n_levels)))
         else:
-            kind, size = (cur.dtype, None if prev is None else prev.dtype), cur.numel()
+            kind, size = (numpy_dtype(cur.dtype), None if prev is None else prev.dtype), cur.numel()
         batches = kinds.setdefault(kind, [[]])
         if batches[-1] and filled[kind] + size > BATCH_CODES:
             batches.append([])
@@ -205,13 +207,13 @@ def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, in
         filled[kind] = filled.get(kind, 0) + size
     for (_, prev_dtype), members in ((k, m) for k, batches in kinds.items() for m in batches):
         syms, levels, coded = [], [], []
+        packed = _pack_batch(jobs, [i for i in members if jobs[i][3].get("tuples", False)])
         for i in members:  # packed here, one batch at a time: a save holds one batch's symbols
             prev, cur, B, options = jobs[i]
             if options.get("tuples", False):
-                try:
-                    syms.append(_tuples.pack(cur, B, prev=prev))  # CPU tensors: read in place
-                except ValueError:  # a code outside [0, B): encode_codes below says so
+                if packed[i] is None:  # a code outside [0, B): encode_codes below says so
                     continue
+                syms.append(packed[i])
                 levels.append(B ** _tuples.size(B))
             else:
                 syms.append(to_numpy_bits(cur))  # a view of the usual flat CPU codes
@@ -229,6 +231,23 @@ def encode_codes_many(jobs: Sequence[tuple[torch.Tensor | None, torch.Tensor, in
 
 
 BATCH_CODES = 1 << 22  # codes per batch of encode_codes_many: its scratch (a rank per code) stays small
+
+
+def _pack_batch(jobs, members: list[int]) -> dict[int, np.ndarray | None]:
+    """Job -> its packed symbols (``tuples.pack``, a delta taken on the way), None where pack
+    refuses: one ``tuples.pack_many`` call where the codes (and the prevs) share a dtype, else
+    one pack a stream."""
+    curs = [np.ascontiguousarray(to_numpy_bits(jobs[i][1])) for i in members]
+    prevs = [None if jobs[i][0] is None else np.ascontiguousarray(to_numpy_bits(jobs[i][0])) for i in members]
+    if len({c.dtype for c in curs}) <= 1 and len({p.dtype for p in prevs if p is not None}) <= 1:
+        return dict(zip(members, _tuples.pack_many(curs, [int(jobs[i][2]) for i in members], prevs)))
+    out = {}
+    for i, c, p in zip(members, curs, prevs):
+        try:
+            out[i] = _tuples.pack(c, int(jobs[i][2]), prev=p)
+        except ValueError:
+            out[i] = None
+    return out
 
 
 def _batchable(prev, cur, n_levels, options) -> bool:

@@ -16,6 +16,7 @@ coder's header (tens of bytes): the writer packs a stream only from ``min_codes(
 
     syms = pack(codes, B)               # -> numpy, ceil(n / g) symbols (uint8, or uint16 past 256)
     syms = pack(codes, B, prev=parent)  # the cyclic delta (parent - codes) mod B, packed
+    syms = pack_many([codes, ...], [B, ...], [parent or None, ...])  # many streams, one kernel call
     codes = unpack(syms, n, B)          # -> uint8 torch (B <= 32); CorruptCheckpointError on a bad symbol
     codes = unpack(syms, n, B, prev=parent)  # the delta undone in the same pass
 
@@ -32,10 +33,13 @@ from .rle import _use_numba  # the codec's backend check: "auto", "numba" (CPU o
 
 try:  # optional fast path
     import numba as _numba
+
+    from ..inplace import segment
+    from .delta import _delta_kernel
 except ImportError:  # pragma: no cover
     _numba = None
 
-__all__ = ["size", "symbol_dtype", "min_codes", "pack", "unpack"]
+__all__ = ["size", "symbol_dtype", "min_codes", "pack", "pack_many", "unpack"]
 
 MAX_PAIRED = 32        # the largest B packed (in pairs: 1024 symbols, the rANS kernels' table of values)
 SMALL_CODES = 4096     # B <= 5: below it the alphabet table (up to 32 entries) costs more than packing saves
@@ -98,6 +102,36 @@ def pack(codes, B: int, *, prev=None, backend: str = "auto") -> np.ndarray:
     c = torch.cat([c, c.new_zeros(-c.numel() % g)]).view(-1, g)
     weights = B ** torch.arange(g, dtype=torch.int64, device=c.device)
     return (c * weights).sum(1).cpu().numpy().astype(symbol_dtype(B))
+
+
+def pack_many(codes: list[np.ndarray], Bs: list[int], prevs: list[np.ndarray | None]) -> list[np.ndarray | None]:
+    """``[pack(c, B, prev=p) for c, B, p in zip(codes, Bs, prevs)]`` in one kernel call (numba only):
+    C-contiguous 1-D numpy codes of one dtype, the prevs (None: no delta) of one dtype, every B's
+    symbols of one ``symbol_dtype``; each result a view of one buffer. None where ``pack`` raises
+    (a code outside [0, B)). A save packs ~30 streams: ~15 us of Python each one at a time."""
+    from ..inplace import addresses
+
+    S = len(codes)
+    gs = np.array([size(B) for B in Bs], dtype=np.int64)
+    if S == 0:
+        return []
+    if (gs < 2).any() or len({symbol_dtype(B) for B in Bs}) != 1:
+        raise ValueError("pack_many packs alphabets of one symbol dtype, each packed (tuples.size(B) > 1)")
+    cur_at, offsets = addresses(codes, codes[0].dtype)
+    has = [p is not None for p in prevs]
+    given = [p for p in prevs if p is not None]
+    if [p.size for p in given] != [c.size for c, h in zip(codes, has) if h]:
+        raise ValueError("a delta needs prev of the codes' size")
+    prev_at = addresses([p if p is not None else given[0] for p in prevs], given[0].dtype)[0] if given else cur_at
+    sizes = np.diff(offsets)
+    out_at = np.zeros(S + 1, dtype=np.int64)
+    np.cumsum(-(-sizes // gs), out=out_at[1:])
+    out = np.empty(int(out_at[-1]), dtype=symbol_dtype(Bs[0]))
+    ok = np.zeros(S, dtype=np.bool_)
+    temp = np.empty(int(sizes.max()) if given else 0, dtype=np.uint8)
+    _pack_many_kernel(cur_at, codes[0][:0], prev_at, given[0][:0] if given else codes[0][:0], offsets,
+                      np.array(has, dtype=np.bool_), np.asarray(Bs, dtype=np.int64), gs, out_at, out, temp, ok)
+    return [out[out_at[i]:out_at[i + 1]] if ok[i] else None for i in range(S)]
 
 
 def unpack(symbols, n: int, B: int, *, prev=None, backend: str = "auto") -> torch.Tensor:
@@ -176,6 +210,22 @@ if _numba is not None:
             out[whole] = t
         return not bad
 
+    @_numba.njit(cache=True, nogil=True)
+    def _pack_many_kernel(cur_at, like_cur, prev_at, like_prev, offsets, delta, Bs, gs, out_at, out, temp,
+                          ok):  # pragma: no cover - compiled
+        """pack_many's streams, each read in place (inplace.py) as ``pack`` reads it: the delta into
+        ``temp`` first where delta[s], then packed into out[out_at[s]:out_at[s + 1]]; ok[s]: no bad code."""
+        for s in range(offsets.size - 1):
+            n = offsets[s + 1] - offsets[s]
+            c = segment(cur_at[s], n, like_cur)
+            if delta[s]:
+                x = temp[:n]
+                if not _delta_kernel(segment(prev_at[s], n, like_prev), c, Bs[s], x):
+                    continue
+                ok[s] = _pack_kernel(x, Bs[s], gs[s], out[out_at[s]:out_at[s + 1]])
+            else:
+                ok[s] = _pack_kernel(c, Bs[s], gs[s], out[out_at[s]:out_at[s + 1]])
+
     @_numba.njit(inline="always")
     def _put(out, prev, k, d, B, delta):  # pragma: no cover - compiled
         """out[k] = digit d, or (prev[k] - d) mod B -> whether prev[k] is outside [0, B)."""
@@ -239,4 +289,4 @@ if _numba is not None:
             return 1
         return 2 if bad else 0
 else:  # pragma: no cover
-    _pack_kernel = _unpack_kernel = None
+    _pack_kernel = _unpack_kernel = _pack_many_kernel = None
