@@ -193,6 +193,27 @@ def test_prune_cuts_a_tensor_at_a_time_equal_the_whole_batchs_sample():
                 assert torch.equal(got[i], M._quantile_reference(torch.from_numpy(seg), q)), (q, i)
 
 
+@pytest.mark.skipif(not M.K.HAVE_NUMBA, reason="the effects kernel needs numba")
+def test_factored_effects_are_torchs_rounded_means():
+    # the keyframe's row and column effects: exact integer sums and one fp32 division give torch's
+    # mean bit for bit, round half to even as torch.round (rows and columns of mean exactly k + 1/2)
+    g = torch.Generator().manual_seed(2)
+    grids = [torch.randint(0, 60, (int(r), int(c)), generator=g, dtype=torch.int32)
+             for r, c in torch.randint(2, 200, (40, 2), generator=g)]
+    half = torch.zeros(6, 8, dtype=torch.int32)
+    half[:, :4], half[1, :] = 1, 5  # row means 0.5 (to 0) and 5; column means of c - a k + 1/2
+    grids += [half, torch.tensor([[0, 3], [1, 0], [2, 7]], dtype=torch.int32)]
+    for c in grids:
+        rows, cols = c.shape
+        a, b = torch.empty(rows), torch.empty(cols)
+        eff = M.K.factored_effects(c.reshape(-1).numpy(), rows, cols, a.numpy(), b.numpy())
+        c2 = c.to(torch.float32)
+        ra = torch.round(c2.mean(1))
+        rb = torch.round((c2 - ra[:, None]).mean(0))
+        assert torch.equal(a, ra) and torch.equal(b, rb), c.shape
+        assert eff == max(float(ra.abs().max()), float(rb.abs().max()))
+
+
 def test_all_finite_is_finite_in_fp32():
     from ckptzip.quant.base import all_finite
 

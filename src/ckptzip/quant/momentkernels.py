@@ -12,6 +12,7 @@ once, as the reference computes it, so their results are the reference's bit for
     order_pairs(x, at, ranks, lo, hi)       # each segment's ranks[s]-th and next order statistics (its cut)
     abs_cuts(mf, D, offsets, strides, ranks, lo, hi, buf)  # the two above, a segment at a time in buf
     sign_kernel(mf, D, offsets, group, cuts, has_cut, scale, out)  # 1-bit direction: bf16 scales, codes
+    eff = factored_effects(c, rows, cols, a, b)  # a grid's row and column effects (as torch's means), max |effect|
     top = factored_tail(c, a, b, out)       # zigzag(c - (a[row] + b[col])) of a (rows, cols) grid, and its max
     low = factored_levels(z, a, b, out)     # its inverse (decode): unzigzag(z) + a[row] + b[col], and its min
     direction_values(c, levels, scale, group, D, normalized, out)  # decode: levels[c] * scale[i // group] (* D)
@@ -35,7 +36,7 @@ from ..logbuckets import HAVE_NUMBA
 if HAVE_NUMBA:
     import numba as _numba
 
-__all__ = ["HAVE_NUMBA", "grid_kernel", "abs_sample", "order_pairs", "abs_cuts", "sign_kernel", "factored_tail",
+__all__ = ["HAVE_NUMBA", "grid_kernel", "abs_sample", "order_pairs", "abs_cuts", "sign_kernel", "factored_effects", "factored_tail",
            "factored_levels", "direction_values", "level_values",
            "direction_by_level"]
 
@@ -298,6 +299,32 @@ if HAVE_NUMBA:
                     else:
                         out[base + j] = pos
                 r += 1
+
+    @_numba.njit(**_DIVIDES)
+    def factored_effects(c, rows, cols, a, b):  # pragma: no cover - compiled
+        """The reference's row and column effects of the flat (rows, cols) integer grid ``c``: a[i] =
+        round(mean of row i), b[j] = round(mean of column j of c - a) in fp32, as torch computes them
+        (tests/test_quant_moments.py): each sum of integers exact (the caller keeps |sums| below
+        2**24, where fp32 adds them exactly in any order), one correctly rounded division, round half
+        to even. Returns max(|a|, |b|) (0 when empty)."""
+        colsum = np.zeros(cols, dtype=np.int64)
+        eff = np.float32(0.0)
+        for i in range(rows):
+            at = np.uint64(i * cols)  # unsigned: see _U
+            acc = np.int64(0)
+            for j in range(np.uint64(cols)):
+                acc += np.int64(c[at + j])
+            ai = np.rint(np.float32(acc) / np.float32(cols))
+            a[i] = ai
+            eff = max(eff, abs(ai))
+            k = np.int64(ai)
+            for j in range(np.uint64(cols)):
+                colsum[j] += np.int64(c[at + j]) - k
+        for j in range(cols):
+            bj = np.rint(np.float32(colsum[j]) / np.float32(rows))
+            b[j] = bj
+            eff = max(eff, abs(bj))
+        return eff
 
     @_numba.njit(cache=True, nogil=True)
     def factored_tail(c, a, b, out):  # pragma: no cover - compiled

@@ -207,11 +207,16 @@ def _grid_record(c: torch.Tensor, v: torch.Tensor, step: float, factored: bool, 
     side, meta, top = {}, {"step": step, "factored": False}, None
     rc = _as_2d(v.shape) if factored else None
     if rc is not None:
-        c2 = c.reshape(rc).to(torch.float32)
-        a = torch.round(c2.mean(1))
-        b = torch.round(c2.sub_(a[:, None]).mean(0))  # in place: c2 is this function's own copy
-        del c2  # before the residuals' int64 output (a save's peak memory is this function on its largest v)
-        effects = max(float(a.abs().max()), float(b.abs().max()))
+        if _use_kernels(c) and c.is_contiguous() and cmax is not None and 4 * (cmax + 1) * max(rc) < 2 ** 24:
+            # every sum below 2**24 (|c - a| <= 2 max c): the kernel's exact sums give torch's means
+            a, b = torch.empty(rc[0], dtype=torch.float32), torch.empty(rc[1], dtype=torch.float32)
+            effects = float(K.factored_effects(c.numpy(), rc[0], rc[1], a.numpy(), b.numpy()))
+        else:
+            c2 = c.reshape(rc).to(torch.float32)
+            a = torch.round(c2.mean(1))
+            b = torch.round(c2.sub_(a[:, None]).mean(0))  # in place: c2 is this function's own copy
+            del c2  # before the residuals' int64 output (a save's peak memory is this function on its largest v)
+            effects = max(float(a.abs().max()), float(b.abs().max()))
         if effects < 2 ** 15:
             if _use_kernels(c) and c.is_contiguous():  # the tail below in one pass (momentkernels.py)
                 # |c - (a + b)| <= max c + 2 max|effect|: zigzag at most twice that, in the narrowest dtype
@@ -644,14 +649,18 @@ def encode_pairs_levels(pairs: list[tuple[torch.Tensor, torch.Tensor, AdamHP]], 
     if qvs is not None:  # the stored codes are the levels, narrowed already
         cs = [qv.codes for qv in qvs]
     else:
-        cs = [c[at:at + n] for at, n in zip(_cumsum(ns).tolist(), ns)]
+        at = _cumsum(ns)
+        cs = [c[a:a + n] for a, n in zip(at.tolist(), ns)]
         qvs = [_grid_record(ci, v, codec.v_step, codec.factored, top) for ci, v in zip(cs, vs)]
         # v is final: its codes and levels narrowed before m's pass allocates its own temporaries (on
         # a large tensor int64 codes and levels were 16 of the ~39 bytes an element a save peaked at)
         for qv in qvs:
             qv.codes = _own(compact(qv.codes, qv.n_levels), c)
-        cs = [qv.codes if not qv.meta["factored"] else _own(compact(ci, int(ci.max()) + 1), c)
-              for qv, ci in zip(qvs, cs)]
+        # each tensor's max: one reduceat over the kernel's codes (its segments all non-empty)
+        tops = np.maximum.reduceat(c.numpy()[:int(at[-1])], at[:-1]).tolist() if top is not None and 0 not in ns \
+            else [int(ci.max()) for ci in cs]
+        cs = [qv.codes if not qv.meta["factored"] else _own(compact(ci, t + 1), c)
+              for qv, ci, t in zip(qvs, cs, tops)]
     del c
     if not codec.m_bits:
         return [(None, qv, ci) for qv, ci in zip(qvs, cs)]
