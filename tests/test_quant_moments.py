@@ -214,6 +214,25 @@ def test_factored_effects_are_torchs_rounded_means():
         assert eff == max(float(ra.abs().max()), float(rb.abs().max()))
 
 
+@pytest.mark.skipif(not M.K.HAVE_NUMBA, reason="the grid kernels need numba")
+@pytest.mark.parametrize("step", [2.0, 4.0, 8.0, 64.0, 1024.0])
+def test_power_of_two_steps_code_without_the_tables(step):
+    # y = D / eps >= 1 at every exponent, at and around each power of two, inf, and v == 0 == m
+    s = M._pow2(step)
+    assert s >= 1 and M._pow2(step * 1.5) == 0 and M._pow2(1.0) == 0
+    lo, thr, _, width = M.grid_bounds(step)
+    e = np.arange(127, 256, dtype=np.uint32)
+    y = np.concatenate([(e << 23) | m for m in (0, 1, 0x400000, 0x7FFFFF)]).view(np.float32)
+    y = np.concatenate([y, np.random.default_rng(0).uniform(1, 2 ** 60, 10_000).astype(np.float32)])
+    vb = np.ones(y.size, np.uint32)
+    vb[::7] = 0  # with m == 0 as well: code 0
+    mb = np.zeros(y.size, np.uint32)
+    want, got = y.view(np.int32).copy(), y.view(np.int32).copy()
+    top1 = M.K._grid_codes1(vb, mb, lo, thr, want)
+    top2 = M.K._grid_codes_pow2(vb, mb, s, got)
+    assert width == 1 and top1 == top2 and np.array_equal(want, got)
+
+
 def test_all_finite_is_finite_in_fp32():
     from ckptzip.quant.base import all_finite
 

@@ -102,7 +102,8 @@ def to_numpy_bits(t: torch.Tensor) -> np.ndarray:
 
 def tensor_to_bytes(t: torch.Tensor) -> bytes:
     """Raw little-endian bytes of a tensor (row-major)."""
-    return to_numpy_bits(t).tobytes()
+    t = host(t)
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()  # tobytes: C order
 
 
 def tensor_from_bytes(buf: bytes | bytearray | memoryview, dtype: str, shape) -> torch.Tensor:

@@ -9,6 +9,7 @@ one blob per side tensor ``side.<key>`` (raw little-endian bytes). Meta: ``n_lev
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -65,15 +66,14 @@ class RecordBatch:
         # narrow codes (uint8) go in as they are: the delta and coder kernels widen value by value
         self._jobs.append((prev.codes if prev is not None else None, q.codes, B,
                            {"rearrange": rearrange, "rle": rle, "coder": coder, "tuples": packed}))
-        stages = ([S.CYCLIC_DELTA] + ([S.REARRANGE] if rearrange else []) if prev is not None else []) + \
-            ([S.RLE] if rle else []) + ([S.TUPLE] if packed else []) + [S.CODER_STAGES[coder]]
-        pipeline = [method] + S.pipeline(*([S.RESIDUAL] if residual else []), *stages)
+        pipeline = _pipeline(method, prev is not None, rearrange, rle, packed, coder, residual)
         side = {k: host(v) for k, v in q.side.items()}
         rec_meta = {"n_levels": q.n_levels, "delta": prev is not None,
                     "side": {k: [dtype_name(v.dtype), list(v.shape)] for k, v in side.items()}, **(meta or {})}
         parts = {}
         if q.codebook.numel():
-            parts["codebook"] = tensor_to_bytes(q.codebook.float().cpu())
+            book = q.codebook
+            parts["codebook"] = tensor_to_bytes(book if book.dtype is torch.float32 else book.float())
         else:  # a parametric grid (the moment codec): the levels are implied by the meta
             rec_meta["codebook"] = False
         parts.update({f"side.{k}": tensor_to_bytes(v) for k, v in side.items()})
@@ -91,6 +91,15 @@ class RecordBatch:
             else:
                 self.enc.blobs[keys["codes"]] = blob
         self._jobs, self._pending = [], []
+
+
+@functools.lru_cache(maxsize=256)
+def _pipeline(method: str, delta: bool, rearrange: bool, rle: bool, packed: bool, coder: str,
+              residual: bool) -> list[str]:
+    """A stored record's pipeline (a few distinct ones a save: built once each). Shared: read only."""
+    stages = ([S.CYCLIC_DELTA] + ([S.REARRANGE] if rearrange else []) if delta else []) + \
+        ([S.RLE] if rle else []) + ([S.TUPLE] if packed else []) + [S.CODER_STAGES[coder]]
+    return [method] + S.pipeline(*([S.RESIDUAL] if residual else []), *stages)
 
 
 # codes a restore decodes ahead of their records (predecode): int64, 32 MiB at most

@@ -5,7 +5,7 @@ Every float operation in them is correctly rounded fp32 (division, sqrt) or an f
 once, as the reference computes it, so their results are the reference's bit for bit
 (tests/test_quant_moments.py); CUDA tensors and hosts without numba run the reference::
 
-    top = grid_kernel(vf, mf, offsets, bc2, eps, lo, thr, B, width, D, out)
+    top = grid_kernel(vf, mf, offsets, bc2, eps, lo, thr, B, width, pow2, D, out)
                                             # D and v's grid codes (moments.grid_bounds) of every tensor,
                                             # and max(c); -1: a value not finite (the caller names it)
     abs_sample(mf, D, offsets, strides, at, out)   # |m / D| of a strided sample of each tensor (prune cut)
@@ -36,9 +36,8 @@ from ..logbuckets import HAVE_NUMBA
 if HAVE_NUMBA:
     import numba as _numba
 
-__all__ = ["HAVE_NUMBA", "grid_kernel", "abs_sample", "order_pairs", "abs_cuts", "sign_kernel", "factored_effects", "factored_tail",
-           "factored_levels", "direction_values", "level_values",
-           "direction_by_level"]
+__all__ = ["HAVE_NUMBA", "grid_kernel", "abs_sample", "order_pairs", "abs_cuts", "sign_kernel", "factored_effects",
+           "factored_tail", "factored_levels", "direction_values", "level_values", "direction_by_level"]
 
 if HAVE_NUMBA:
     _EXP = np.uint32(0x7F800000)  # an fp32 whose exponent bits are all set is inf or NaN
@@ -68,15 +67,34 @@ if HAVE_NUMBA:
             top = max(top, c)
         return np.int64(top)
 
+    @_numba.njit(cache=True, nogil=True)
+    def _grid_codes_pow2(vb, mb, s, out):  # pragma: no cover - compiled
+        """_grid_codes1 where the step is 2**s (s >= 1): every bound is then a power of two at a
+        binade's start (2**(step k - step/2)), so c = (e + step/2) >> s of y's exponent e >= 0, the
+        table's count without its two lookups a value (0.47 -> 0.1 ms on 0.48M values; y = inf, e =
+        128, gives every bound, as the table)."""
+        yb = out.view(np.uint32)
+        bias = np.int32((1 << s) // 2 - 127)  # x + bias = e + step/2, x: y's exponent bits (y >= 1)
+        sh = np.int32(s)
+        top = np.int32(0)
+        one = np.int32(1)
+        for i in range(np.uint64(vb.shape[0])):  # unsigned: see _U
+            c = max((np.int32(yb[i] >> np.uint32(23)) + bias) >> sh, one)
+            c = c if ((vb[i] | mb[i]) & _ABS) != np.uint32(0) else np.int32(0)  # +-0: v == 0 == m
+            out[i] = c
+            top = max(top, c)
+        return np.int64(top)
+
     @_numba.njit(**_DIVIDES)
-    def grid_kernel(vf, mf, offsets, bc2, eps, lo, thr, B, width, D, out):  # pragma: no cover - compiled
+    def grid_kernel(vf, mf, offsets, bc2, eps, lo, thr, B, width, pow2, D, out):  # pragma: no cover - compiled
         """Adam's denominator and v's grid codes of every segment (tensor) of flat fp32 ``vf`` (and
         ``mf``, or empty): D = sqrt(max(v, 0) / bc2[s]) + eps[s] (fp32, correctly rounded: torch's CPU
         sqrt is not: base.sqrt_rn), y = D / eps[s] >= 1 and c = #{k >= 1: B[k] <= y}
         from y's exponent bits x: lo[x] bounds lie below its binade, then the ``width`` bounds after
         them are compared (one: the bits thr[x]); c at least 1, 0 where v == 0 == m. Writes D and the
         codes (int32; y is kept in ``out`` between the passes); returns max(c), or -1 when a value is
-        not finite (the caller names it). Both loops are branch-free: LLVM vectorizes the first
+        not finite (the caller names it). ``pow2``: s where the step is 2**s (s >= 1: the codes
+        without the tables, _grid_codes_pow2), else 0. Both loops are branch-free: LLVM vectorizes the first
         (sqrt and division included); the second is table lookups."""
         has_m = mf.shape[0] == vf.shape[0]
         vb = vf.view(np.uint32)
@@ -93,6 +111,8 @@ if HAVE_NUMBA:
                 y[i] = d / e
         if bad:
             return np.int64(-1)
+        if pow2:
+            return _grid_codes_pow2(vb, mb, pow2, out)
         if width == 1:
             return _grid_codes1(vb, mb, lo, thr, out)
         yb = out.view(np.uint32)

@@ -131,6 +131,12 @@ def grid_bounds(step: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     return lo, thr, table, width
 
 
+def _pow2(step: float) -> int:
+    """s where ``step`` is 2**s for an integer s >= 1 (the grid kernel's table-free codes), else 0."""
+    m, e = math.frexp(step)
+    return e - 1 if m == 0.5 and e >= 2 else 0
+
+
 def _zigzag(r: torch.Tensor) -> torch.Tensor:
     """r >= 0 -> 2r, r < 0 -> -2r - 1 (int64; by shifts: two passes fewer than a where)."""
     return (r << 1) ^ (r >> 63)
@@ -166,7 +172,7 @@ def _grid(vs: list[torch.Tensor], ms: list[torch.Tensor] | None, hps: list[AdamH
         out = scratch("moments.c", vf.numel(), np.int32, keep=_KEEP)
         per = [np.array([getattr(hp, k) for hp in hps], dtype=np.float32) for k in ("bc2", "eps")]
         top = int(K.grid_kernel(vf.numpy(), vf.numpy()[:0] if mf is None else mf.numpy(), _cumsum(ns), *per, lo,
-                                thr, table, width, D, out))
+                                thr, table, width, _pow2(step), D, out))
         if top >= 0:
             return vf, mf, torch.from_numpy(D), torch.from_numpy(out), top
     for i, v in enumerate(vs):  # the one that is not finite is named
