@@ -93,8 +93,13 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.array_equal(a.view(np.uint8), b.view(np.uint8)))
 
 
+_PLAIN = frozenset(t for t, _ in DTYPES.values()) - {torch.bfloat16}  # numpy() carries their bits
+
+
 def to_numpy_bits(t: torch.Tensor) -> np.ndarray:
     """Flat numpy array of a tensor's exact bits (bf16 carried as uint16). Moves to CPU if needed."""
+    if t.dim() == 1 and t.dtype in _PLAIN and t.is_cpu and not t.requires_grad and t.is_contiguous():
+        return t.numpy()  # the usual code stream: a view, without the checks below (~3 us a stream)
     t = host(t)
     a = t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
     return a if a.ndim == 1 else a.reshape(-1)  # numpy's reshape of a contiguous array: a view, ~4x cheaper

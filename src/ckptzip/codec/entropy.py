@@ -42,6 +42,7 @@ group boundaries of the rearrangement: never longer than per-group runs, decoded
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import struct
 import zlib
@@ -169,8 +170,10 @@ def encode_codes(prev_codes: torch.Tensor | None, cur_codes: torch.Tensor, n_lev
     return _codes_header(flags | _CODER_IDS[coder] << 4, cur.numel(), n_levels) + encode_stream(coder, stream)
 
 
+@functools.lru_cache(maxsize=4096)
 def _codes_header(flags: int, n: int, n_levels: int) -> bytes:
-    """The sealed ``encode_codes`` header (module docstring) before the coder's buffer."""
+    """The sealed ``encode_codes`` header (module docstring) before the coder's buffer (a record's
+    is the same at every save: built once)."""
     head = bytearray(_CODES_MAGIC)
     head.append(flags)
     write_varint(head, n)
