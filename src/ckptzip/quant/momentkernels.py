@@ -8,9 +8,9 @@ once, as the reference computes it, so their results are the reference's bit for
     top = grid_kernel(vf, mf, offsets, bc2, eps, lo, thr, B, width, pow2, D, out)
                                             # D and v's grid codes (moments.grid_bounds) of every tensor,
                                             # and max(c); -1: a value not finite (the caller names it)
-    abs_sample(mf, D, offsets, strides, at, out)   # |m / D| of a strided sample of each tensor (prune cut)
-    order_pairs(x, at, ranks, lo, hi)       # each segment's ranks[s]-th and next order statistics (its cut)
-    abs_cuts(mf, D, offsets, strides, ranks, lo, hi, buf)  # the two above, a segment at a time in buf
+    order_pairs(x, at, ranks, lo, hi)       # each segment's ranks[s]-th and next order statistics
+    abs_cuts(mf, D, offsets, strides, ranks, lo, hi, buf)  # each tensor's prune cut: order_pairs of a
+                                            # strided sample of its |m / D|, a tensor at a time in buf
     sign_kernel(mf, D, offsets, group, cuts, has_cut, scale, out)  # 1-bit direction: bf16 scales, codes
     eff = factored_effects(c, rows, cols, a, b)  # a grid's row and column effects (as torch's means), max |effect|
     top = factored_tail(c, a, b, out)       # zigzag(c - (a[row] + b[col])) of a (rows, cols) grid, and its max
@@ -36,7 +36,7 @@ from ..logbuckets import HAVE_NUMBA
 if HAVE_NUMBA:
     import numba as _numba
 
-__all__ = ["HAVE_NUMBA", "grid_kernel", "abs_sample", "order_pairs", "abs_cuts", "sign_kernel", "factored_effects",
+__all__ = ["HAVE_NUMBA", "grid_kernel", "order_pairs", "abs_cuts", "sign_kernel", "factored_effects",
            "factored_tail", "factored_levels", "direction_values", "level_values", "direction_by_level"]
 
 if HAVE_NUMBA:
@@ -130,23 +130,6 @@ if HAVE_NUMBA:
             top = max(top, c)
         return np.int64(top)
 
-    @_numba.njit(**_DIVIDES)
-    def abs_sample(mf, D, offsets, strides, at, out):  # pragma: no cover - compiled
-        """|u| (u = m / D, or m where D is empty) of every ``strides[s]``-th element of segment s,
-        into out[at[s]:at[s + 1]]: the sample each tensor's prune cut is taken from."""
-        has_d = D.shape[0] == mf.shape[0]
-        for s in range(offsets.shape[0] - 1):
-            k, st = at[s], strides[s]
-            if st == 1 and has_d:  # the whole tensor (under 131072 elements): a loop LLVM vectorizes
-                a, n = np.uint64(offsets[s]), np.uint64(offsets[s + 1] - offsets[s])
-                o = np.uint64(k)
-                for j in range(n):  # unsigned: see _U
-                    out[o + j] = abs(mf[a + j] / D[a + j])
-                continue
-            for i in range(offsets[s], offsets[s + 1], st):
-                out[k] = abs(mf[i] / D[i]) if has_d else abs(mf[i])
-                k += 1
-
     @_numba.njit(cache=True, nogil=True)
     def order_pairs(x, at, ranks, lo, hi):  # pragma: no cover - compiled
         """Of every segment x[at[s]:at[s + 1]] of fp32 ``x`` (no NaN; -0 sorts below +0), the
@@ -162,10 +145,12 @@ if HAVE_NUMBA:
 
     @_numba.njit(**_DIVIDES)
     def abs_cuts(mf, D, offsets, strides, ranks, lo, hi, buf):  # pragma: no cover - compiled
-        """abs_sample then order_pairs over its segments, one segment at a time in ``buf`` (fp32, as
-        long as the largest sample): a segment's sample (at most ~131K values) is still in cache for
-        the select's passes, where the whole batch's sample was written first and then read three
-        times from memory. Empty segments are skipped (their lo, hi untouched)."""
+        """Each segment's |u| (u = m / D, or m where D is empty) at every ``strides[s]``-th element,
+        into ``buf`` (fp32, as long as the largest sample), then its ranks[s]-th and next order
+        statistics into lo[s], hi[s] (order_pairs): a tensor at a time, so its sample (at most ~131K
+        values) is still in cache for the select's passes, where the whole batch's sample was
+        written first and then read three times from memory. Empty segments are skipped (their lo,
+        hi untouched)."""
         has_d = D.shape[0] == mf.shape[0]
         xb, lob, hib = buf.view(np.uint32), lo.view(np.uint32), hi.view(np.uint32)
         fine = np.zeros(65536, dtype=np.int64)
@@ -175,9 +160,9 @@ if HAVE_NUMBA:
             if n <= 0:
                 continue
             k = 0
-            if st == 1 and has_d:  # as abs_sample: a loop LLVM vectorizes
+            if st == 1 and has_d:  # the whole tensor (under 131072 elements)
                 a = np.uint64(offsets[s])
-                for j in range(np.uint64(n)):  # unsigned: see _U
+                for j in range(np.uint64(n)):  # unsigned: see _U; a loop LLVM vectorizes
                     buf[j] = abs(mf[a + j] / D[a + j])
                 k = n
             else:
@@ -431,5 +416,5 @@ if HAVE_NUMBA:
                 out[i] = u if k else zero
         return not bad
 else:  # pragma: no cover
-    grid_kernel = abs_sample = order_pairs = sign_kernel = factored_tail = factored_levels = direction_values = None
-    level_values = direction_by_level = None
+    grid_kernel = abs_cuts = order_pairs = sign_kernel = factored_effects = factored_tail = None
+    factored_levels = direction_values = level_values = direction_by_level = None
