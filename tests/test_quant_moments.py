@@ -173,7 +173,7 @@ def test_prune_cuts_a_tensor_at_a_time_equal_the_whole_batchs_sample():
     m = torch.randn(sum(ns), generator=g)
     m[:400] = torch.tensor([0.0, -0.0]).repeat(200)
     D = torch.rand(sum(ns), generator=g).add_(1e-3)
-    offsets = M._cumsum(ns)
+    offsets = M.segment_offsets(ns)
     strides = np.array([M._cut_stride(n) for n in ns], dtype=np.int64)
     sizes = [-(-n // int(st)) for n, st in zip(ns, strides)]
     for q in (0.0, 0.37, 0.9, 1.0):
@@ -182,7 +182,7 @@ def test_prune_cuts_a_tensor_at_a_time_equal_the_whole_batchs_sample():
             lo, hi = np.zeros(len(ns), np.float32), np.zeros(len(ns), np.float32)
             M.K.abs_cuts(m.numpy(), d, offsets, strides, ranks, lo, hi, np.empty(max(sizes), np.float32))
             got = M._lerp(lo, hi, w)
-            at = M._cumsum(sizes)
+            at = M.segment_offsets(sizes)
             sample = np.concatenate([np.abs(m.numpy()[a:e:st] / d[a:e:st] if d.size else m.numpy()[a:e:st])
                                      for a, e, st in zip(offsets[:-1], offsets[1:], strides)])
             some = [i for i, n in enumerate(ns) if n]

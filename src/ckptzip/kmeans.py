@@ -45,13 +45,13 @@ the digits MLP) its SSE is 0.97-1.00x that of
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 
 import numpy as np
 import torch
 
 from ckptzip.errors import ConfigError, NonFiniteError
+from ckptzip.inplace import segment_offsets
 from ckptzip.sketch import LogSketch
 
 try:  # optional fast path for the batched Lloyd; _lloyd_rows is its plain-torch reference
@@ -180,7 +180,7 @@ def kmeans_packed(points: torch.Tensor, counts: torch.Tensor, sizes: torch.Tenso
     counts = counts.reshape(-1).to("cpu", torch.float64)
     sizes = sizes.reshape(-1).to("cpu", torch.int64)
     sz = sizes.numpy()  # the bookkeeping in numpy: a save's two calls made ~15 small torch calls each
-    at = list(itertools.accumulate(sz.tolist(), initial=0))
+    at = segment_offsets(sz.tolist()).tolist()
     todo_mask = sz > k
     out: list[torch.Tensor | None] = [None if big else points[a:e]
                                       for big, a, e in zip(todo_mask.tolist(), at, at[1:])]

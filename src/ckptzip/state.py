@@ -298,12 +298,9 @@ def flatten_state(state: dict, model: nn.Module | None = None,
             lt = ltypes[key] = _guess_layer(key, t)
         return lt
 
-    model_keys = model_sd is not None
-
     def record(path: list, name: str, t: torch.Tensor) -> dict:
         # data_ptr() is the storage's address plus the offset: with shape, strides and dtype, one view
-        shape = t.shape
-        key = (t.data_ptr(), shape, t.stride(), t.dtype) if t.numel() else None
+        key = (t.data_ptr(), t.shape, t.stride(), t.dtype) if t.numel() else None
         if key in seen:
             return {"__t": "alias", "ref": seen[key]}
         if key is not None:
@@ -311,20 +308,19 @@ def flatten_state(state: dict, model: nn.Module | None = None,
         if name in tensors:
             raise UnsupportedStateError(f"two tensors map to the record name {name!r}; rename one of the keys")
         role, ltype, param = "tensor", "other", None
-        n = len(path)
-        if n == 2 and model_keys and path[0] == "model":
+        if len(path) == 2 and path[0] == "model" and model_sd is not None:
             key = str(path[1])
             param = key
             is_param = key in params if params is not None else t.is_floating_point() and not key.endswith(
                 ("running_mean", "running_var"))
             role = "weight" if is_param else "buffer"
             ltype = layer(key, t)
-        elif n == 4 and path[0] == "optimizer" and path[1] == "state":
+        elif len(path) == 4 and path[0] == "optimizer" and path[1] == "state":
             role = "step" if path[3] == "step" else str(path[3])
             param = pnames.get(path[2]) if isinstance(path[2], int) else None
             if param is not None:
                 ltype = layer(param, model_sd[param]) if model_sd and param in model_sd else ltypes.get(param, "other")
-        records[name] = TensorRecord(name, role, dtype_name(t.dtype), tuple(shape), ltype, param)
+        records[name] = TensorRecord(name, role, dtype_name(t.dtype), tuple(t.shape), ltype, param)
         tensors[name] = t.detach() if t.requires_grad else t  # state_dict()s hand out detached tensors
         return {"__t": "tensor", "ref": name}
 

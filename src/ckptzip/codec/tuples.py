@@ -122,6 +122,7 @@ def pack_many(codes: list[np.ndarray], Bs: list[int], prevs: list[np.ndarray | N
     given = [p for p in prevs if p is not None]
     if [p.size for p in given] != [c.size for c, h in zip(codes, has) if h]:
         raise ValueError("a delta needs prev of the codes' size")
+    # a stream without a delta gets any prev's address: the kernel reads prevs only where delta[s]
     prev_at = addresses([p if p is not None else given[0] for p in prevs], given[0].dtype)[0] if given else cur_at
     sizes = np.diff(offsets)
     out_at = np.zeros(S + 1, dtype=np.int64)

@@ -25,7 +25,6 @@ or while a distributed sketch hook is active, the reference runs per tensor.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 from collections.abc import Mapping
@@ -34,12 +33,13 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, NonFiniteError
+from ..inplace import segment_offsets
 from ..logbuckets import HAVE_NUMBA, lookup_table, segment_histograms
 from ..parallel import thread_map
 from ..sketch import LogSketch
 from ..tensorbytes import dtype_name
 from . import dynaquant as dq
-from .base import QuantizedTensor
+from .base import QuantizedTensor, flat32
 from .dqkernels import assign_kernel, partition_counts_kernel, partition_hist_kernel, trim_rows_kernel
 from .levels import from_domain, histogram_centers, level_bounds
 
@@ -78,7 +78,7 @@ class Chunk:
     def __init__(self, names: list[str], flats: list[torch.Tensor], grads: list[torch.Tensor | None]):
         self.names = names
         sizes = [f.numel() for f in flats]
-        self.offsets = np.fromiter(itertools.accumulate(sizes, initial=0), np.int64, len(sizes) + 1)
+        self.offsets = segment_offsets(sizes)
         self.packed = len(flats) > 1 and all(f.is_cpu for f in flats)  # x: a _take buffer of its own
         self.x = torch.cat(flats, out=_take(sum(sizes))) if self.packed else \
             flats[0] if len(flats) == 1 else torch.cat(flats)
@@ -89,12 +89,6 @@ class Chunk:
 
     def seg(self, i: int) -> slice:
         return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
-
-
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype is torch.float32 and not t.requires_grad and t.is_contiguous():
-        return t.view(-1)  # the usual weight: detach, to and contiguous are no-ops, ~1 us each
-    return t.detach().reshape(-1).to(torch.float32).contiguous()
 
 
 def _pack(order: list[str], tensors: Mapping, grads_of: dict[str, torch.Tensor | None]) -> list[Chunk]:
@@ -108,8 +102,8 @@ def _pack(order: list[str], tensors: Mapping, grads_of: dict[str, torch.Tensor |
         size += n
     if cur:
         chunks.append(cur)
-    return [Chunk(c, [_f32(tensors[n]) for n in c],
-                   [None if grads_of.get(n) is None else _f32(grads_of[n]) for n in c]) for c in chunks]
+    return [Chunk(c, [flat32(tensors[n]) for n in c],
+                   [None if grads_of.get(n) is None else flat32(grads_of[n]) for n in c]) for c in chunks]
 
 
 def quantize_tensors(tensors: Mapping[str, tuple], config: dq.DynaQuantConfig = dq.DynaQuantConfig(),

@@ -40,7 +40,6 @@ SGD momentum (no v): ``quantize_m(buf, None, ...)`` quantizes the buffer itself 
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -50,9 +49,10 @@ import torch
 from ..codec.scratch import scratch
 from ..configcheck import OneOf, Range, check_fields
 from ..errors import ConfigError, NonFiniteError
+from ..inplace import segment_offsets
 from ..tensorbytes import dtype_name, narrowest_int, numpy_dtype, torch_dtype
 from . import momentkernels as K
-from .base import MIN_NUMEL_RANGE, QuantizedTensor, all_finite, compact, sqrt_rn
+from .base import MIN_NUMEL_RANGE, QuantizedTensor, all_finite, compact, flat32, sqrt_rn
 
 # Positive reconstruction levels in units of the group scale: 1 bit, +-1 times the mean |u| (the
 # L2-optimal scale of a sign); 2 and 3 bits, the Lloyd-Max levels of a unit Gaussian (z = u / RMS).
@@ -171,7 +171,7 @@ def _grid(vs: list[torch.Tensor], ms: list[torch.Tensor] | None, hps: list[AdamH
         D = scratch("moments.D", vf.numel(), np.float32, keep=_KEEP)
         out = scratch("moments.c", vf.numel(), np.int32, keep=_KEEP)
         per = [np.array([getattr(hp, k) for hp in hps], dtype=np.float32) for k in ("bc2", "eps")]
-        top = int(K.grid_kernel(vf.numpy(), vf.numpy()[:0] if mf is None else mf.numpy(), _cumsum(ns), *per, lo,
+        top = int(K.grid_kernel(vf.numpy(), vf.numpy()[:0] if mf is None else mf.numpy(), segment_offsets(ns), *per, lo,
                                 thr, table, width, _pow2(step), D, out))
         if top >= 0:
             return vf, mf, torch.from_numpy(D), torch.from_numpy(out), top
@@ -187,12 +187,6 @@ def _grid(vs: list[torch.Tensor], ms: list[torch.Tensor] | None, hps: list[AdamH
     if mf is not None:
         zero &= mf == 0
     return vf, mf, D, c.masked_fill_(zero, 0), None
-
-
-def _cumsum(ns: list[int]) -> np.ndarray:
-    """Where each of the concatenated flat tensors of sizes ``ns`` starts, then their total (int64,
-    len(ns) + 1: the kernels' segment offsets)."""
-    return np.fromiter(itertools.accumulate(ns, initial=0), np.int64, len(ns) + 1)  # np.cumsum of a list: ~3x
 
 
 def _use_kernels(x: torch.Tensor) -> bool:
@@ -414,7 +408,7 @@ def _quantize_ms(mf: torch.Tensor, D: torch.Tensor | None, ms: list[torch.Tensor
         starts.append(starts[-1] + n + pad)
     if any(pads):  # each tensor's last group padded with zeros
         pieces = []
-        for at, n, pad in zip(_cumsum(ns).tolist(), ns, pads):
+        for at, n, pad in zip(segment_offsets(ns).tolist(), ns, pads):
             pieces += [u[at:at + n], u.new_zeros(pad)] if pad else [u[at:at + n]]
         ug = torch.cat(pieces).reshape(-1, group)
     else:
@@ -433,7 +427,7 @@ def _quantize_ms(mf: torch.Tensor, D: torch.Tensor | None, ms: list[torch.Tensor
         s = _kept_mean(a, keep)
     else:
         s = ug.square().sum(1).div_(torch.full_like(ug[:, 0], group)).sqrt_()
-        for at, end, n, pad in zip(_cumsum(ns).tolist(), starts[1:], ns, pads):
+        for at, end, n, pad in zip(segment_offsets(ns).tolist(), starts[1:], ns, pads):
             if pad:  # the last group is short: its RMS over its real elements
                 s[end // group - 1] = u[at + n - (group - pad):at + n].square().mean().sqrt()
     s = s.to(torch.bfloat16)
@@ -470,7 +464,7 @@ def _sign_fused(mf: torch.Tensor, D: torch.Tensor | None, ms: list[torch.Tensor]
     (no u, |u| or keep mask of the whole batch: 9 bytes an element). The reference's results
     (tests/test_quant_moments.py)."""
     ns = [x.numel() for x in ms]
-    offsets = _cumsum(ns)
+    offsets = segment_offsets(ns)
     m = mf.numpy()
     d = m[:0] if D is None else D.reshape(-1).to("cpu", torch.float32).contiguous().numpy()
     cuts = np.zeros(len(ns), dtype=np.float32)
@@ -487,7 +481,7 @@ def _sign_fused(mf: torch.Tensor, D: torch.Tensor | None, ms: list[torch.Tensor]
     scale = np.empty(sum(rows), dtype=np.int16)
     out = np.empty(sum(rows) * group, dtype=np.uint8)
     K.sign_kernel(m, d, offsets, group, cuts, prune > 0, scale.view(np.uint16), out)
-    starts = [group * int(r) for r in _cumsum(rows)]
+    starts = [group * int(r) for r in segment_offsets(rows)]
     return _split_m(torch.from_numpy(out), torch.from_numpy(scale).view(torch.bfloat16), levels_table(1, prune), ms,
                     starts, ns, bits=1, group=group, prune=prune, normalized=D is not None)
 
@@ -655,7 +649,7 @@ def encode_pairs_levels(pairs: list[tuple[torch.Tensor, torch.Tensor, AdamHP]], 
     if qvs is not None:  # the stored codes are the levels, narrowed already
         cs = [qv.codes for qv in qvs]
     else:
-        at = _cumsum(ns)
+        at = segment_offsets(ns)
         cs = [c[a:a + n] for a, n in zip(at.tolist(), ns)]
         qvs = [_grid_record(ci, v, codec.v_step, codec.factored, top) for ci, v in zip(cs, vs)]
         # v is final: its codes and levels narrowed before m's pass allocates its own temporaries (on
@@ -684,7 +678,7 @@ def _plain_records(c: torch.Tensor, ns: list[int], vs: list[torch.Tensor], step:
     torch calls a tensor. None: call _grid_record per tensor."""
     if top is None or top > 255 or not _use_kernels(c) or 0 in ns:
         return None
-    at = _cumsum(ns)
+    at = segment_offsets(ns)
     tops = np.maximum.reduceat(c.numpy()[:int(at[-1])], at[:-1]).tolist()  # every segment is non-empty
     c8, at, none = c[:int(at[-1])].to(torch.uint8), at.tolist(), torch.empty(0)
     return [QuantizedTensor(codes=c8[a:e], n_levels=t + 1, codebook=none, shape=tuple(v.shape),
@@ -712,9 +706,7 @@ def _cat32(xs: list[torch.Tensor], name: str) -> torch.Tensor:
     the CPU in this thread's scratch buffer ``name``, valid until the next save's batch."""
     if len(xs) == 1:
         return xs[0].detach().reshape(-1).to(torch.float32)
-    # detach / to are no-ops on the usual fp32 state, each still ~1 us a tensor
-    flat = [x.reshape(-1) if x.dtype is torch.float32 and not x.requires_grad else
-            x.detach().reshape(-1).to(torch.float32) for x in xs]
+    flat = [flat32(x) for x in xs]
     if any(x.device.type != "cpu" for x in flat):
         return torch.cat(flat)
     return torch.cat(flat, out=torch.from_numpy(scratch(name, sum(x.numel() for x in flat), np.float32, keep=_KEEP)))
