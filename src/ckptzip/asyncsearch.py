@@ -42,7 +42,7 @@ import torch
 
 from .methods.base import EncodeContext
 from .parallel import serial_kernels
-from .search.quality import scratch_copy
+from .search.scratch import scratch_copy
 from .state import FlatState, flatten_state
 
 __all__ = ["SearchingSaver", "SearchHandle"]

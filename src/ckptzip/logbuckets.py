@@ -157,7 +157,7 @@ def segment_histograms(flat: torch.Tensor, offsets, *, alpha: float = 0.01, min_
     f32 = _f32_numpy(flat.reshape(-1))
     o = offs.numpy()
     M = int(t.key.max())
-    cap = int(np.minimum(np.diff(o), 2 * M + 1).sum())
+    cap = int(np.minimum(np.diff(o), 2 * M + 1).sum()) + 1  # emit_counts writes one past
     outs = {k: (np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64), np.zeros(o.size, dtype=np.int64))
             for k in ("signed", "abs")}
     bad = _hist_kernel(f32.view(np.int32), f32, o, t.shift, t.key, t.bound, M, "signed" in kinds, "abs" in kinds,
@@ -238,8 +238,10 @@ if HAVE_NUMBA:
         segment holding inf/NaN, or -1. A block's buckets first (bucket_fold: the loop vectorizes,
         unsigned indices and no stores to the counts in it), then its counts into four
         interleaved rows: consecutive values mostly hit the same bucket, and one row would
-        serialise on its store-to-load dependency (1.6 -> 1.2 ns a value against one loop)."""
+        serialise on its store-to-load dependency (1.6 -> 1.2 ns a value against one loop). The
+        rows are summed into one before the cells are emitted (fold_rows)."""
         d = np.zeros((4, 2 * M + 2), dtype=np.int64)
+        f = np.zeros(2 * M + 2, dtype=np.int64)
         block = np.empty(_BLOCK, np.int32)
         n = 0
         na = 0
@@ -261,46 +263,62 @@ if HAVE_NUMBA:
                 lo = min(lo, blo)
                 hi = max(hi, bhi)
                 a += m
+            fold_rows(d, lo, hi, f)
             if signed:
-                n = emit_counts(d, lo, hi, False, not absolute, ords, counts, n)
+                n = emit_counts(f, lo, hi, False, not absolute, ords, counts, n)
                 ptr[s + 1] = n
             if absolute:
-                na = emit_counts(d, lo, hi, True, True, a_ords, a_counts, na)
+                na = emit_counts(f, lo, hi, True, True, a_ords, a_counts, na)
                 a_ptr[s + 1] = na
         return -1
 
+    @_numba.njit(cache=True, nogil=True, inline="always")
+    def fold_rows(d, lo, hi, f):  # pragma: no cover - compiled
+        """f[j] = the sum of the four count rows d[:, j] over both signs' cells of ordinals
+        lo >> 1 .. hi >> 1, those cells of d zeroed (f's are zero there on entry)."""
+        if hi < lo:
+            return
+        for j in range(np.uint64(lo & ~1), np.uint64((hi | 1) + 1)):
+            f[j] = d[0, j] + d[1, j] + d[2, j] + d[3, j]
+            d[0, j] = 0
+            d[1, j] = 0
+            d[2, j] = 0
+            d[3, j] = 0
+
     @_numba.njit(cache=True, nogil=True)
-    def emit_counts(d, lo, hi, absolute, zero, ords, counts, n):  # pragma: no cover - compiled
-        """Append the non-zero cells of folded count rows d[:, lo..hi] (index 2|ordinal| + sign) to
-        ords/counts from position n, in signed-ordinal order (or |ordinal| order when ``absolute``);
-        then zero those cells if ``zero``. Returns the new n."""
+    def emit_counts(f, lo, hi, absolute, zero, ords, counts, n):  # pragma: no cover - compiled
+        """Append the non-zero cells of the folded counts f[lo..hi] (index 2|ordinal| + sign; both
+        signs' cells of each ordinal read) to ords/counts from position n, in signed-ordinal
+        order (or |ordinal| order when ``absolute``); then zero those cells if ``zero``. Returns
+        the new n. Every cell is written at n and kept by stepping n (no branch on the counts,
+        which a data-dependent branch mispredicts): ords/counts need one entry of room beyond
+        the cells kept. Unsigned indices: numba tests a signed one for wraparound."""
         if hi < lo:
             return n
-        klo, khi = lo >> 1, hi >> 1
+        klo, khi = np.uint64(lo >> 1), np.uint64(hi >> 1)
+        one, two = np.uint64(1), np.uint64(2)
+        u = np.uint64(n)
         if not absolute:
-            for k in range(khi, max(klo, 1) - 1, -1):    # negative buckets, most negative first
-                j = 2 * k + 1
-                c = d[0, j] + d[1, j] + d[2, j] + d[3, j]
-                if c:
-                    ords[n] = -k
-                    counts[n] = c
-                    n += 1
-        for k in range(klo, khi + 1):                     # zero (both signs), then positive buckets
-            j = 2 * k
-            c = d[0, j] + d[1, j] + d[2, j] + d[3, j]
+            k0 = max(klo, one)
+            k = khi + one
+            while k > k0:                                 # negative buckets, most negative first
+                k -= one
+                c = f[two * k + one]
+                ords[u] = -np.int64(k)
+                counts[u] = c
+                u += np.uint64(c != 0)
+        for k in range(klo, khi + one):                   # zero (both signs), then positive buckets
+            j = two * k
+            c = f[j]
             if absolute or k == 0:
-                c += d[0, j + 1] + d[1, j + 1] + d[2, j + 1] + d[3, j + 1]
-            if c:
-                ords[n] = k
-                counts[n] = c
-                n += 1
+                c += f[j + one]
+            ords[u] = np.int64(k)
+            counts[u] = c
+            u += np.uint64(c != 0)
         if zero:
-            for j in range(2 * klo, 2 * khi + 2):
-                d[0, j] = 0
-                d[1, j] = 0
-                d[2, j] = 0
-                d[3, j] = 0
-        return n
+            for j in range(two * klo, two * khi + two):
+                f[j] = 0
+        return np.int64(u)
 
 else:  # pragma: no cover
-    bucket_ordinal = bucket_fold = emit_counts = _ordinals_kernel = _hist_kernel = None
+    bucket_ordinal = bucket_fold = fold_rows = emit_counts = _ordinals_kernel = _hist_kernel = None

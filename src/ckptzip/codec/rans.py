@@ -391,10 +391,11 @@ def _decode_python(words, n, lanes, freqs, P, values, out) -> bool:
 
 def _encode_numba(sym, lo, lut, freqs, P, lanes, cap) -> np.ndarray:
     out = np.empty(cap + 2 * lanes, dtype=np.uint32)
-    pos = _encode_kernel(sym, lo, lut, freqs, P, lanes, out)
+    t = _encode_tables(freqs, P)
+    pos = _encode_kernel(sym, lo, lut, t, lanes, out)
     if pos < 0:  # past the bound (it holds: never seen); a symbol pushes at most one word
         out = np.empty(sym.size + 4 * lanes + 1, dtype=np.uint32)  # pragma: no cover
-        pos = _encode_kernel(sym, lo, lut, freqs, P, lanes, out)  # pragma: no cover
+        pos = _encode_kernel(sym, lo, lut, t, lanes, out)  # pragma: no cover
     return out[pos:]
 
 
@@ -421,20 +422,21 @@ if HAVE_NUMBA:
 
     @_numba.njit(cache=True, nogil=True)
     def _encode_tables(freqs, P):  # pragma: no cover - compiled
-        """(k, 4) uint64 rows the encode kernel reads per symbol (Rans64EncSymbolInit): x_max
-        (renormalize at or above it), the reciprocal of f, the bias, and 2**P - f | shift << 32;
-        q = mulhi(x, rcp) >> shift is x // f for every state x < 2**63 (Alverson)."""
+        """The encode kernel's four uint64 a symbol, symbol s's at t[4s:4s+4] (Rans64EncSymbolInit):
+        x_max (renormalize at or above it), the reciprocal of f, the bias, and 2**P - f | shift << 32;
+        q = mulhi(x, rcp) >> shift is x // f for every state x < 2**63 (Alverson). Flat: a row's
+        address is a shift of s, where a 2-D table's stride is a multiply in the loop."""
         M = np.uint64(1) << np.uint64(P)
         unit = np.uint64(((1 << 31) >> P) << 32)
-        t = np.empty((freqs.size, 4), dtype=np.uint64)
+        t = np.empty(4 * freqs.size, dtype=np.uint64)
         start = np.uint64(0)
         for s in range(freqs.size):
             f = freqs[s]
-            t[s, 0] = unit * f
+            t[4 * s] = unit * f
             if f == 1:  # x // 1: rcp 2**64 - 1 gives q = x - 1 at shift 0; the bias adds M - 1
-                t[s, 1] = np.uint64(0xFFFFFFFFFFFFFFFF)
-                t[s, 2] = start + M - np.uint64(1)
-                t[s, 3] = M - f
+                t[4 * s + 1] = np.uint64(0xFFFFFFFFFFFFFFFF)
+                t[4 * s + 2] = start + M - np.uint64(1)
+                t[4 * s + 3] = M - f
             else:
                 shift = np.uint64(0)
                 while f > (np.uint64(1) << shift):
@@ -442,22 +444,24 @@ if HAVE_NUMBA:
                 x1 = np.uint64(1) << (shift + np.uint64(31))
                 t1 = x1 // f
                 t0 = (f - np.uint64(1) + ((x1 % f) << _U32)) // f
-                t[s, 1] = t0 + (t1 << _U32)
-                t[s, 2] = start
-                t[s, 3] = (M - f) | ((shift - np.uint64(1)) << _U32)
+                t[4 * s + 1] = t0 + (t1 << _U32)
+                t[4 * s + 2] = start
+                t[4 * s + 3] = (M - f) | ((shift - np.uint64(1)) << _U32)
             start += f
         return t
 
     @_numba.njit(inline="always")
     def _enc(x, t, s):  # pragma: no cover - compiled
-        """Push symbol s onto state x -> (new state, low word, whether the word is emitted)."""
-        e = x >= t[s, 0]
+        """Push symbol s (a rank: never negative) onto state x -> (new state, low word, whether
+        the word is emitted)."""
+        r = np.uint64(s) << np.uint64(2)  # unsigned: no wraparound test on the index
+        e = x >= t[r]
         w = np.uint32(x & _LO)
         if e:
             x >>= _U32
-        c = t[s, 3]
-        q = _mulhi(x, t[s, 1]) >> (c >> _U32)
-        return x + t[s, 2] + q * (c & _LO), w, e
+        c = t[r + np.uint64(3)]
+        q = _mulhi(x, t[r + np.uint64(1)]) >> (c >> _U32)
+        return x + t[r + np.uint64(2)] + q * (c & _LO), w, e
 
     @_numba.njit(inline="always")
     def _push(x, t, s, out, pos):  # pragma: no cover - compiled
@@ -473,23 +477,30 @@ if HAVE_NUMBA:
         out[pos - np.uint64(1)] = w
         return x, pos - np.uint64(e)
 
+    @_numba.njit(inline="always")
+    def _row(sym, i, lo, lut):  # pragma: no cover - compiled
+        """Symbol i's row of the encode table: lut[sym[i] - lo], or sym[i] - lo without a lut (a
+        None lut is a type: numba drops the other branch)."""
+        if lut is None:
+            return sym[i] - lo
+        return lut[sym[i] - lo]
+
     @_numba.njit(cache=True, nogil=True)
-    def _encode_kernel(sym, lo, lut, freqs, P, lanes, out):  # pragma: no cover - compiled
-        """Encode sym (backwards; symbol v has rank lut[v - lo]) into out's tail, the lanes' final
-        states in front -> the first word's position (-1: out too short). Words are stored always,
-        kept when emitted."""
-        t = _encode_tables(freqs, P)
+    def _encode_kernel(sym, lo, lut, t, lanes, out):  # pragma: no cover - compiled
+        """Encode sym (backwards; symbol v's row of the table t: lut[v - lo], or v - lo where lut
+        is None) into out's tail, the lanes' final states in front -> the first word's position
+        (-1: out too short). Words are stored always, kept when emitted."""
         pos = out.size
         x0 = x1 = x2 = x3 = _UL
         i = sym.size - 1
         while i >= 0 and i % lanes != lanes - 1:  # the tail of a partial group: lane = i % lanes
             j = i % lanes
             if j == 0:
-                x0, pos = _push(x0, t, lut[sym[i] - lo], out, pos)
+                x0, pos = _push(x0, t, _row(sym, i, lo, lut), out, pos)
             elif j == 1:
-                x1, pos = _push(x1, t, lut[sym[i] - lo], out, pos)
+                x1, pos = _push(x1, t, _row(sym, i, lo, lut), out, pos)
             else:
-                x2, pos = _push(x2, t, lut[sym[i] - lo], out, pos)
+                x2, pos = _push(x2, t, _row(sym, i, lo, lut), out, pos)
             i -= 1
         # whole groups, one loop per lane count (a lane test inside the loop costs ~25 %); each
         # group first checks room for its words and the lanes' flush in front
@@ -499,19 +510,19 @@ if HAVE_NUMBA:
                 if pos > 4 * m + 8:  # room for every word of m groups: unsigned, unchecked (as _encode_four)
                     u, q = np.uint64(i), np.uint64(pos)
                     for _ in range(m):
-                        x3, q = _push_u(x3, t, lut[sym[u] - lo], out, q)
-                        x2, q = _push_u(x2, t, lut[sym[u - np.uint64(1)] - lo], out, q)
-                        x1, q = _push_u(x1, t, lut[sym[u - np.uint64(2)] - lo], out, q)
-                        x0, q = _push_u(x0, t, lut[sym[u - np.uint64(3)] - lo], out, q)
+                        x3, q = _push_u(x3, t, _row(sym, u, lo, lut), out, q)
+                        x2, q = _push_u(x2, t, _row(sym, u - np.uint64(1), lo, lut), out, q)
+                        x1, q = _push_u(x1, t, _row(sym, u - np.uint64(2), lo, lut), out, q)
+                        x0, q = _push_u(x0, t, _row(sym, u - np.uint64(3), lo, lut), out, q)
                         u -= np.uint64(4)
                     i, pos = i - 4 * m, np.int64(q)
                     continue
                 if pos <= 12:
                     return -1
-                x3, pos = _push(x3, t, lut[sym[i] - lo], out, pos)
-                x2, pos = _push(x2, t, lut[sym[i - 1] - lo], out, pos)
-                x1, pos = _push(x1, t, lut[sym[i - 2] - lo], out, pos)
-                x0, pos = _push(x0, t, lut[sym[i - 3] - lo], out, pos)
+                x3, pos = _push(x3, t, _row(sym, i, lo, lut), out, pos)
+                x2, pos = _push(x2, t, _row(sym, i - 1, lo, lut), out, pos)
+                x1, pos = _push(x1, t, _row(sym, i - 2, lo, lut), out, pos)
+                x0, pos = _push(x0, t, _row(sym, i - 3, lo, lut), out, pos)
                 i -= 4
         elif lanes == 2:
             while i >= 1:
@@ -519,21 +530,21 @@ if HAVE_NUMBA:
                 if pos > 2 * m + 4:
                     u, q = np.uint64(i), np.uint64(pos)
                     for _ in range(m):
-                        x1, q = _push_u(x1, t, lut[sym[u] - lo], out, q)
-                        x0, q = _push_u(x0, t, lut[sym[u - np.uint64(1)] - lo], out, q)
+                        x1, q = _push_u(x1, t, _row(sym, u, lo, lut), out, q)
+                        x0, q = _push_u(x0, t, _row(sym, u - np.uint64(1), lo, lut), out, q)
                         u -= np.uint64(2)
                     i, pos = i - 2 * m, np.int64(q)
                     continue
                 if pos <= 6:
                     return -1
-                x1, pos = _push(x1, t, lut[sym[i] - lo], out, pos)
-                x0, pos = _push(x0, t, lut[sym[i - 1] - lo], out, pos)
+                x1, pos = _push(x1, t, _row(sym, i, lo, lut), out, pos)
+                x0, pos = _push(x0, t, _row(sym, i - 1, lo, lut), out, pos)
                 i -= 2
         else:
             while i >= 0:
                 if pos <= 3:
                     return -1
-                x0, pos = _push(x0, t, lut[sym[i] - lo], out, pos)
+                x0, pos = _push(x0, t, _row(sym, i, lo, lut), out, pos)
                 i -= 1
         pos -= 2 * lanes
         for j in range(lanes):
@@ -772,8 +783,9 @@ if HAVE_NUMBA:
                 n2 += 1
                 continue
             w0 = ends[s - 1] if s else 0
-            got = _encode_kernel(ranks[offsets[s]:offsets[s + 1]], 0, _rank_of(s, vals, vo, ks, rows),
-                                 freqs[vo[s]:vo[s + 1]].astype(np.uint64), Ps[s], lanes[s], words[w0:ends[s]])
+            got = _encode_kernel(ranks[offsets[s]:offsets[s + 1]], 0, None,
+                                 _stream(s, offsets, vals, freqs, vo, ks, Ps, rows, ends, S)[0], lanes[s],
+                                 words[w0:ends[s]])
             if got < 0:  # past the bound (it holds: never seen)
                 status[s] = 1
             first[s] = w0 + got
@@ -957,11 +969,11 @@ if HAVE_NUMBA:
             return _encode_tables(np.ones(2, np.uint64), 1), 0, 0, 0, 0
         t = _encode_tables(freqs[vo[s]:vo[s + 1]].astype(np.uint64), Ps[s])
         if rows[s]:  # a row per value in the span (absent values' rows are never read)
-            by_value = np.zeros((rows[s], 4), np.uint64)
+            by_value = np.zeros(4 * rows[s], np.uint64)
             rank = _rank_of(s, vals, vo, ks, rows)
             for v in range(rows[s]):
                 if rank[v] >= 0:
-                    by_value[v] = t[rank[v]]
+                    by_value[4 * v:4 * v + 4] = t[4 * rank[v]:4 * rank[v] + 4]
             t = by_value
         return t, offsets[s + 1] - offsets[s], offsets[s], ends[s], ends[s - 1] if s else 0
 

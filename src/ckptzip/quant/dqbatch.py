@@ -383,7 +383,7 @@ def _partition_hist(c: Chunk, params, alpha: float, signed=None):
         n = int(q_ptr[-1])
         return (torch.from_numpy(q_ords[:n]), torch.from_numpy(q_counts[:n]), torch.from_numpy(q_ptr)), \
             cnt[:, 0], cnt[:, 2]
-    cap = int(np.minimum(np.diff(c.offsets), 2 * M + 1).sum())
+    cap = int(np.minimum(np.diff(c.offsets), 2 * M + 1).sum()) + 1  # emit_counts writes one past
     ords, counts = np.empty(cap, np.int64), np.empty(cap, np.int64)
     ptr = np.zeros(T + 1, np.int64)
     n_pruned, n_prot = np.zeros(T, np.int64), np.zeros(T, np.int64)

@@ -26,7 +26,7 @@ from ..logbuckets import HAVE_NUMBA
 if HAVE_NUMBA:
     import numba as _numba
 
-    from ..logbuckets import bucket_fold, emit_counts
+    from ..logbuckets import bucket_fold, emit_counts, fold_rows
 
 __all__ = ["partition_hist_kernel", "partition_counts_kernel", "trim_rows_kernel", "assign_kernel",
            "dequantize_kernel"]
@@ -46,6 +46,7 @@ if HAVE_NUMBA:
     def partition_hist_kernel(bits, x, g, offsets, prune, on_sens, pm, ps, has_g, shift, key, bound, M,
                           ords, counts, ptr, n_pruned, n_prot):  # pragma: no cover - compiled
         d = np.zeros((4, 2 * M + 2), dtype=np.int64)
+        f = np.zeros(2 * M + 2, dtype=np.int64)
         n = 0
         zero = np.float32(0.0)
         for s in range(offsets.shape[0] - 1):
@@ -66,7 +67,8 @@ if HAVE_NUMBA:
                 npt += prt
             if bad < 0:
                 return s
-            n = emit_counts(d, lo, hi, False, True, ords, counts, n)
+            fold_rows(d, lo, hi, f)
+            n = emit_counts(f, lo, hi, False, True, ords, counts, n)
             ptr[s + 1] = n
             n_pruned[s] = npr
             n_prot[s] = npt

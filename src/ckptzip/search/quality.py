@@ -35,10 +35,11 @@ that distance: a calibration into the units the threshold is meant in (search/pr
 default check: points of fine-tuned accuracy). search/pretrained.py builds such checks for
 pretrained encoders.
 
-Evaluation happens on a scratch copy of the model (one deepcopy per search, reused for every
-trial) loaded with ``load_state_dict`` of the state_dict rebuilt from the state's skeleton, as
-``restore`` rebuilds it: a tied weight (GPT-2's lm_head = wte) gets the same reconstruction. After
-the exact state, a plain scratch (no load hooks, no ``_load_from_state_dict`` of its own) only
+Evaluation happens on a scratch copy of the model (one per search, reused for every trial, and
+kept for the next search where a deep copy would give the same: search/scratch.py) loaded with
+``load_state_dict`` of the state_dict rebuilt from the state's skeleton, as ``restore`` rebuilds
+it: a tied weight (GPT-2's lm_head = wte) gets the same reconstruction. After the exact state, a
+plain scratch (no load hooks, no ``_load_from_state_dict`` of its own) only
 gets the tensors that differ from what it holds, and a ``Fill`` replacement (the search's trials)
 is written straight into the scratch's tensor: no model-sized temporary per trial.
 Around each ``eval_fn`` call the torch (CPU and CUDA), numpy and python RNG states are saved and
@@ -50,8 +51,6 @@ restored, and the scratch's train/eval flags are put back; the live model is nev
 """
 from __future__ import annotations
 
-import copy
-import inspect
 import math
 import random
 import threading
@@ -65,11 +64,8 @@ from torch import nn
 
 from ..errors import ConfigError, NonFiniteError
 from ..state import FlatState, unflatten_state
-
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
-               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-               "_load_state_dict_post_hooks")
-
+from . import scratch as _scratch
+from .scratch import unwrap
 
 DISTANCES = ("relative", "cosine")
 
@@ -154,42 +150,6 @@ def preserved_rng():
         random.setstate(py_state)
 
 
-def _noop_hook(*args, **kwargs):
-    return None
-
-
-def unwrap(model: nn.Module) -> tuple[nn.Module, str]:
-    """(the module to copy, the state_dict key prefix its wrapper adds): DDP adds "module."."""
-    if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
-        return model.module, "module."
-    return model, ""
-
-
-def scratch_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` for trial evaluations, without observer hooks.
-
-    Hooks that are bound methods of non-module objects (gradient recorders, profilers) would
-    otherwise deep-copy their owner, or count the scratch's forward passes as training: they are
-    replaced by no-ops in the copy. Callable objects and plain functions (weight_norm's and
-    spectral_norm's pre-hooks) are copied, since the forward pass depends on them.
-    """
-    inner, _ = unwrap(model)
-    memo: dict[int, object] = {}
-    for mod in inner.modules():
-        for attr in _HOOK_DICTS:
-            for h in getattr(mod, attr, {}).values():
-                if inspect.ismethod(h) and not isinstance(h.__self__, nn.Module):
-                    memo[id(h)] = _noop_hook
-    try:
-        scratch = copy.deepcopy(inner, memo)
-    except Exception as e:  # noqa: BLE001 - any failure means the same fix
-        raise ConfigError(f"the config search evaluates a deep copy of the model, but it cannot be copied "
-                          f"({type(e).__name__}: {e}); pass the unwrapped nn.Module as the model") from e
-    for p in scratch.parameters():
-        p.grad = None
-    return scratch
-
-
 def _plain_targets(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The tensors ``load_state_dict`` copies into, by key, when copying is all it does: no load
     hooks, every module's ``_load_from_state_dict`` nn.Module's own, plain tensors (no DTensor,
@@ -252,7 +212,8 @@ class QualityJudge:
             raise ConfigError("the config search found no model weights in the state; save the model's "
                               "state_dict under the key 'model'")
         self._model_records = {n for n, r in state.records.items() if n.startswith("model/")}
-        self._scratch = scratch_copy(model)
+        self._model = model
+        self._scratch = _scratch.take(model)  # kept between searches of this model (search/scratch.py)
         self._modes = [(m, m.training) for m in self._scratch.modules()]
         self._targets = _plain_targets(self._scratch)  # key -> scratch tensor, None: load_state_dict only
         self._base: dict | None = None                 # the exact state_dict, loaded by the first run
@@ -352,5 +313,7 @@ class QualityJudge:
         return Verdict(d <= self.threshold, d, s)
 
     def close(self) -> None:
+        if self._scratch is not None:
+            _scratch.give(self._model, self._scratch)
         self._scratch = None
         self._modes = []
