@@ -153,3 +153,12 @@ def test_searched_chain_writes_the_same_files_with_the_copy_kept(monkeypatch):
     assert taken == [False, True, True] and kept[1][0]["evals"] >= 1
     monkeypatch.setattr(S, "take", S.scratch_copy)  # a fresh deep copy every save
     assert same(saved("memory://scratch-fresh"), kept)
+
+
+def test_copies_kept_for_the_models_searched_last():
+    models = [Net() for _ in range(S.KEEP_MODELS + 1)]
+    for m in models:
+        S.give(m, S.take(m))
+    assert models[0] not in S._kept and all(m in S._kept for m in models[1:])
+    del models[1]  # a model gone: its copy goes with it
+    assert len(S._kept) == S.KEEP_MODELS - 1

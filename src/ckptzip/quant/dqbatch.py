@@ -298,10 +298,11 @@ def _sharing() -> bool:
 
 
 def _rows(csr) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every row (ords, counts) of a CSR histogram (ords, counts, ptr)."""
+    """Every row (ords, counts) of a CSR histogram (ords, counts, ptr; ptr[-1] == ords.numel()), as
+    views (one ``split`` each: half the time of a slice a row)."""
     ords, counts, ptr = csr
-    at = ptr.tolist()
-    return [(ords[a:b], counts[a:b]) for a, b in zip(at[:-1], at[1:])]
+    sizes = ptr.diff().tolist()
+    return list(zip(ords.split(sizes), counts.split(sizes)))
 
 
 # The two below work on the rows' host arrays with numpy (the rows are the CPU kernels' output): a

@@ -19,8 +19,9 @@ the judge loads every parameter and persistent buffer from the state before any 
 non-persistent buffers are copied from the live model at ``take``.
 
 Between saves a kept copy holds no parameter memory (each parameter's storage is dropped at
-``give`` and allocated again at ``take``): what stays is the module objects and the buffers. One
-search at a time has a model's kept copy; a concurrent one deep-copies its own.
+``give`` and allocated again at ``take``): what stays is the module objects and the buffers, for
+the ``KEEP_MODELS`` models searched last. One search at a time has a model's kept copy; a
+concurrent one deep-copies its own.
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ _INTERNAL = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_b
 
 _lock = threading.Lock()
 _kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # live model -> its idle scratch
+# models whose copies are kept at once, the least recently searched dropped first: a copy whose hook
+# or attribute refers to its live model keeps that model alive, so the cache must not grow unbounded
+KEEP_MODELS = 4
 
 
 def unwrap(model: nn.Module) -> tuple[nn.Module, str]:
@@ -116,6 +120,8 @@ def give(model: nn.Module, scratch: nn.Module) -> None:
             p.data = p.data.new_empty(0)
             p.grad = None
     with _lock:
+        while len(_kept) >= KEEP_MODELS:
+            del _kept[next(iter(_kept))]
         _kept[model] = scratch
 
 
