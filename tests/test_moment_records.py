@@ -65,8 +65,11 @@ def test_sgd_bf16_and_unknown_optimizer_state(tmp_path):
         man = decode_container(ch.storage.read(ch.entry().file)).manifest["records"]
         for i, st in opt.state_dict()["state"].items():
             for key, t in st.items():
-                first = man[f"optimizer/state/{i}/{key}"]["pipeline"][0]
                 assert out[i][key].dtype == t.dtype, (kind, key)
+                if key == "step" and t.dim() == 0:  # a skeleton scalar (state.py), exact
+                    assert f"optimizer/state/{i}/step" not in man and torch.equal(out[i][key], t), kind
+                    continue
+                first = man[f"optimizer/state/{i}/{key}"]["pipeline"][0]
                 if kind == "adagrad" or key in ("max_exp_avg_sq", "step") or t.numel() < 128:
                     assert first == "exact/1" and torch.equal(out[i][key], t), (kind, key)  # never loses state
                 else:

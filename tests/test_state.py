@@ -7,6 +7,7 @@ nothing survives by object identity. Dict key order survives too (state_dict ord
 param-link inference on a re-saved state).
 """
 import copy
+import json
 import math
 import random
 
@@ -99,9 +100,14 @@ def test_digits_adam_round_trip_and_load(digits_snapshots):
     back, flat = roundtrip(state, model, opt)
     assert_same(state, back)
     assert flat.extra["param_link"] == "live"
-    # 4 linear/norm layers x (weight, bias) + Adam's exp_avg, exp_avg_sq, step for each of the 8 params
+    # 4 linear/norm layers x (weight, bias) + Adam's exp_avg, exp_avg_sq for each of the 8 params; each
+    # one's step a skeleton scalar, not a record, read into its parameter view
     assert len(flat.by_role("weight")) == 8 and len(flat.by_role("exp_avg", "exp_avg_sq")) == 16
-    assert len(flat.by_role("step")) == 8
+    assert not flat.by_role("step")
+    steps = [e["step"] for _, e in flat.skeleton["optimizer"]["state"]["items"]]
+    assert steps == [{"__t": "scalar", "dtype": "float32", "v": float(st["step"])}
+                     for st in snap.optimizer["state"].values()]
+    assert all(v.step == float(snap.optimizer["state"][v.index]["step"]) for v in flat.params().values())
     m2 = type(model)(128)
     m2.load_state_dict(back["model"])
     o2 = torch.optim.Adam(m2.parameters(), lr=1e-3)
@@ -307,9 +313,10 @@ def test_roles_layer_types_and_links_live():
         assert rec.param == key
     assert flat.records["model/bn.num_batches_tracked"].dtype == "int64"
     for i, pname in enumerate(params):
-        for role in ("exp_avg", "exp_avg_sq", "step"):
+        for role in ("exp_avg", "exp_avg_sq"):
             rec = flat.records[f"optimizer/state/{i}/{role}"]
             assert (rec.role, rec.param, rec.layer_type) == (role, pname, ZOO_TYPES[pname])
+        assert f"optimizer/state/{i}/step" not in flat.records  # a skeleton scalar
     m2 = Zoo()
     m2.load_state_dict(back["model"])
     torch.optim.Adam(m2.parameters()).load_state_dict(back["optimizer"])
@@ -416,3 +423,37 @@ def test_a_host_state_is_saved_as_it_is_and_own_copies_it(digits_snapshots):
     own = flat.own(name)
     assert torch.equal(own, flat.tensors[name]) and own.untyped_storage().data_ptr() != \
         flat.tensors[name].untyped_storage().data_ptr()
+
+
+# --- an optimizer's step counts as skeleton scalars ----------------------------------------------
+
+def test_step_scalars_round_trip_exactly_without_records():
+    values = [torch.tensor(7.0), torch.tensor(2.0 ** 24 + 2, dtype=torch.float64), torch.tensor(3.5, dtype=torch.bfloat16),
+              torch.tensor(2 ** 62 + 1), torch.tensor(True), torch.tensor(float("inf")), torch.tensor(float("nan"))]
+    state = {"optimizer": {"state": {i: {"step": v, "exp_avg": torch.ones(3)} for i, v in enumerate(values)},
+                           "param_groups": [{"params": list(range(len(values)))}]},
+             "other": {"step": torch.tensor(5.0)}}  # not an optimizer's: a record
+    flat = flatten_state(state)
+    assert sorted(flat.records) == sorted([f"optimizer/state/{i}/exp_avg" for i in range(len(values))] + ["other/step"])
+    back = unflatten_state(json.loads(json.dumps(flat.skeleton, allow_nan=False)), flat.tensors)  # as a file holds it
+    for i, v in enumerate(values):
+        got = back["optimizer"]["state"][i]["step"]
+        assert got.dtype == v.dtype and got.dim() == 0 and got.device.type == "cpu"
+        assert torch.equal(got, v) or (got.isnan() and v.isnan())
+    assert unflatten_state(flat.skeleton, flat.tensors, "meta")["optimizer"]["state"][0]["step"].device.type == "meta"
+    kept = flatten_state(state, step_records=True)  # excp's: every step a record, as before
+    assert len(kept.by_role("step")) == len(values)
+
+
+def test_a_step_that_is_not_a_scalar_stays_a_record():
+    state = {"optimizer": {"state": {0: {"step": torch.tensor([3.0])}, 1: {"step": torch.tensor(2.0, requires_grad=True)}},
+                           "param_groups": [{"params": [0, 1]}]}}
+    assert sorted(flatten_state(state).records) == ["optimizer/state/0/step", "optimizer/state/1/step"]
+
+
+@pytest.mark.parametrize("leaf", [{"__t": "scalar", "dtype": "float8", "v": 1.0}, {"__t": "scalar", "dtype": "int8", "v": 999},
+                                  {"__t": "scalar", "dtype": "float32", "v": "many"}, {"__t": "scalar", "dtype": "int64"},
+                                  {"__t": "scalar", "dtype": "float32", "v": [1.0]}])
+def test_a_malformed_step_scalar_is_a_corrupt_file(leaf):
+    with pytest.raises(CorruptCheckpointError, match="skeleton scalar"):
+        unflatten_state({"optimizer": {"state": {"__t": "dict", "items": [[0, {"step": leaf}]]}}}, {})

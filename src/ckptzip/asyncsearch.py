@@ -103,7 +103,7 @@ class SearchingSaver:
         self._raise()
         if self._scratch is None:  # once, on the training thread: the search thread never touches the live model
             self._scratch = scratch_copy(self.model)
-        flat = flatten_state(state, model, optimizer)
+        flat = flatten_state(state, model, optimizer, step_records=self.method.step_records)
         flat = FlatState({n: t.detach().to("cpu", copy=True) for n, t in flat.tensors.items()}, flat.records,
                          flat.skeleton)
         grads = {k: v.detach().clone() for k, v in gradients.items()} if gradients else None

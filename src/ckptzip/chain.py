@@ -166,7 +166,8 @@ class CheckpointChain:
              optimizer: torch.optim.Optimizer | None = None, ctx: EncodeContext | None = None) -> Entry:
         """Encode and commit one checkpoint. Returns its index entry."""
         step = int(step)
-        flat = on_host(state if isinstance(state, FlatState) else flatten_state(state, model, optimizer))
+        flat = on_host(state if isinstance(state, FlatState) else
+                       flatten_state(state, model, optimizer, step_records=self.method.step_records))
         failure = _StorageContext(f"saving step {step} to {self.url} failed")
         with failure:  # a StorageError says what it interrupted and what stays loadable
             base, record = self._claim()
@@ -304,7 +305,7 @@ class CheckpointChain:
         if moved is flat.tensors and held:
             moved = {n: t.clone() if id(t) in held else t for n, t in flat.tensors.items()}
         flat.tensors = moved
-        state = unflatten_state(flat.skeleton, flat.tensors)
+        state = unflatten_state(flat.skeleton, flat.tensors, device)
         return Restored(target, state, flat, manifest)
 
     def reference(self, step: int):

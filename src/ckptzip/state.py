@@ -5,8 +5,10 @@ nesting of dicts/lists/tuples. Every tensor (and numpy array) becomes a named re
 role (weight, buffer, exp_avg, exp_avg_sq, momentum_buffer, step, ...), layer type and link to the
 parameter it belongs to; everything else (ints, floats, strings, None, bools, param_groups, RNG
 states) stays in a JSON skeleton with tagged values for what JSON cannot hold (tuples, non-string
-dict keys, non-finite floats, bytes). ``unflatten_state`` rebuilds the same objects, dtypes and
-shapes, ready for ``load_state_dict``.
+dict keys, non-finite floats, bytes). An optimizer's per-parameter ``step`` count held in a 0-d
+tensor is a skeleton value too (``{"__t": "scalar", "dtype", "v"}``): a record each cost a
+small GPT's save ~1.4 ms for its 52 steps (docs/BENCHMARKS.md). ``unflatten_state`` rebuilds the
+same objects, dtypes and shapes, ready for ``load_state_dict``.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from .errors import CorruptCheckpointError, UnsupportedStateError
-from .tensorbytes import FLOAT_DTYPES, ITEMSIZE, dtype_name, host, host_copy
+from .tensorbytes import DTYPES, FLOAT_DTYPES, ITEMSIZE, dtype_name, host, host_copy
 
 # Optimizer-state entries that are moments of a parameter (lossy codecs may compress these).
 MOMENT_ROLES = frozenset({"exp_avg", "exp_avg_sq", "momentum_buffer", "max_exp_avg_sq", "square_avg",
@@ -230,7 +232,7 @@ def _param_views(flat: FlatState) -> dict[str, ParamView]:
         for role, leaf in entry.items():
             ref = leaf.get("ref") if isinstance(leaf, dict) and leaf.get("__t") in ("tensor", "alias") else None
             if role == "step":
-                step = _number(flat.tensors[ref] if ref is not None else leaf)
+                step = _number(flat.tensors[ref] if ref is not None else scalar_value(leaf))
             elif ref is not None and ref in flat.records:
                 moments[role] = ref
         links = {flat.records[m].param for m in moments.values()} - {None}
@@ -274,8 +276,9 @@ def _group_hparams(groups_sk, tensors: dict[str, torch.Tensor]) -> dict[object, 
 # flatten / unflatten
 
 def flatten_state(state: dict, model: nn.Module | None = None,
-                  optimizer: torch.optim.Optimizer | None = None) -> FlatState:
-    """Split a training state into tensor records and an exact JSON skeleton (no pickle)."""
+                  optimizer: torch.optim.Optimizer | None = None, *, step_records: bool = False) -> FlatState:
+    """Split a training state into tensor records and an exact JSON skeleton (no pickle).
+    ``step_records``: an optimizer's 0-d ``step`` tensors as records too (module docstring)."""
     if not isinstance(state, dict):
         raise TypeError(f"training state must be a dict, got {type(state).__name__}")
     model_sd = state.get("model") if isinstance(state.get("model"), dict) else None
@@ -299,6 +302,11 @@ def flatten_state(state: dict, model: nn.Module | None = None,
         return lt
 
     def record(path: list, name: str, t: torch.Tensor) -> dict:
+        if not step_records and len(path) == 4 and path[3] == "step" and path[0] == "optimizer" and \
+                path[1] == "state" and t.dim() == 0 and not t.requires_grad:
+            # torch.optim's steps (never shared: no alias is lost); on a GPU (fused or capturable
+            # Adam) each costs a sync here, and the file is the CPU state's
+            return scalar_leaf(t)
         # data_ptr() is the storage's address plus the offset: with shape, strides and dtype, one view
         key = (t.data_ptr(), t.shape, t.stride(), t.dtype) if t.numel() else None
         if key in seen:
@@ -393,8 +401,38 @@ def _guess_layer(key: str, t: torch.Tensor) -> str:
     return "other"
 
 
-def unflatten_state(skeleton, tensors: dict[str, torch.Tensor]):
-    """Inverse of flatten_state: rebuild the original objects from the skeleton and tensors."""
+def scalar_leaf(t: torch.Tensor) -> dict:
+    """The skeleton value of a 0-d tensor: its dtype and its value, exactly (a float widened to a
+    Python float, non-finite as its repr; an integer or bool as itself)."""
+    v = t.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        v = repr(v)
+    return {"__t": "scalar", "dtype": dtype_name(t.dtype), "v": v}
+
+
+def scalar_value(leaf):
+    """A skeleton leaf's number: a scalar leaf's value (anything else: itself)."""
+    if isinstance(leaf, dict) and leaf.get("__t") == "scalar":
+        v = leaf.get("v")
+        return float(v) if isinstance(v, str) else v
+    return leaf
+
+
+def _scalar_tensor(leaf: dict, device) -> torch.Tensor:
+    """scalar_leaf's tensor again; CorruptCheckpointError for a malformed leaf."""
+    name, v = leaf.get("dtype"), leaf.get("v")
+    if name not in DTYPES or isinstance(v, dict | list) or v is None or \
+            (isinstance(v, str) and v not in ("inf", "-inf", "nan")):
+        raise CorruptCheckpointError(f"skeleton scalar {leaf!r} is malformed (a corrupt file)")
+    try:
+        return torch.tensor(float(v) if isinstance(v, str) else v, dtype=DTYPES[name][0], device=device)
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        raise CorruptCheckpointError(f"skeleton scalar {leaf!r} does not fit its dtype (a corrupt file)") from None
+
+
+def unflatten_state(skeleton, tensors: dict[str, torch.Tensor], device: str | torch.device = "cpu"):
+    """Inverse of flatten_state: rebuild the original objects from the skeleton and tensors
+    (``device``: where a skeleton scalar's tensor goes, as the records' tensors went)."""
 
     def walk(obj):
         if isinstance(obj, dict):
@@ -403,6 +441,8 @@ def unflatten_state(skeleton, tensors: dict[str, torch.Tensor]):
                 return {k: walk(v) for k, v in obj.items()}
             if tag in ("tensor", "alias"):
                 return tensors[obj["ref"]]
+            if tag == "scalar":
+                return _scalar_tensor(obj, device)
             if tag == "ndarray":
                 return tensors[obj["ref"]].cpu().contiguous().numpy().view(np.dtype(obj["np"])).copy()
             if tag == "dict":

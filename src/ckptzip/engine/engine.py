@@ -246,7 +246,8 @@ class AsyncCheckpointEngine:
         """Stage ``state`` in shared memory and queue its commit. Blocks only for the copy."""
         self._check_open()
         step = int(step)
-        flat = state if isinstance(state, FlatState) else flatten_state(state, model, optimizer)
+        flat = state if isinstance(state, FlatState) else \
+            flatten_state(state, model, optimizer, step_records=self.chain.method.step_records)
         ctx_json, aux = self._context(ctx)
         with self._cond:
             self._scan()

@@ -118,6 +118,9 @@ class Method(ABC):
     name: ClassVar[str]
     version: ClassVar[int] = 1
     config_cls: ClassVar[type | None] = None
+    # the optimizer's step counts as records (flatten_state(steps="records")), not skeleton scalars:
+    # ExCP restores the base checkpoint's
+    step_records: ClassVar[bool] = False
 
     def __init__(self, config=None, **overrides):
         if self.config_cls is None:

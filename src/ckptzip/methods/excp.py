@@ -83,6 +83,7 @@ class ExcpMethod(Method):
     """ExCP as published: uncompressed base, fp16 codebooks, optimizer scalars from the base, xz."""
 
     name = "excp"
+    step_records = True  # a delta restores the base's steps (FROM_BASE records)
     version = 2  # 2: exact/1, span/1, joint/1 and excp-tensor/2 (LSB-first codes); 1 is read
     config_cls = ExcpConfig
 
