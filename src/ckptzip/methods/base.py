@@ -118,8 +118,8 @@ class Method(ABC):
     name: ClassVar[str]
     version: ClassVar[int] = 1
     config_cls: ClassVar[type | None] = None
-    # the optimizer's step counts as records (flatten_state(steps="records")), not skeleton scalars:
-    # ExCP restores the base checkpoint's
+    # the optimizer's step counts as records (flatten_state(step_records=True)), not skeleton
+    # scalars: ExCP's deltas restore the base checkpoint's
     step_records: ClassVar[bool] = False
 
     def __init__(self, config=None, **overrides):

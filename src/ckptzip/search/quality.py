@@ -39,9 +39,9 @@ Evaluation happens on a scratch copy of the model (one per search, reused for ev
 kept for the next search where a deep copy would give the same: search/scratch.py) loaded with
 ``load_state_dict`` of the state_dict rebuilt from the state's skeleton, as ``restore`` rebuilds
 it: a tied weight (GPT-2's lm_head = wte) gets the same reconstruction. After the exact state, a
-plain scratch (no load hooks, no ``_load_from_state_dict`` of its own) only
-gets the tensors that differ from what it holds, and a ``Fill`` replacement (the search's trials)
-is written straight into the scratch's tensor: no model-sized temporary per trial.
+plain scratch (no load hooks, no ``_load_from_state_dict`` of its own) only gets the tensors that
+differ from what it holds, and a ``Fill`` replacement (the search's trials) is written straight
+into the scratch's tensor: no model-sized temporary per trial.
 Around each ``eval_fn`` call the torch (CPU and CUDA), numpy and python RNG states are saved and
 restored, and the scratch's train/eval flags are put back; the live model is never touched.
 

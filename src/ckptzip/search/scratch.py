@@ -185,9 +185,10 @@ def _same_value(x, y, depth: int = 0) -> bool:
     """A plain attribute equal in both (see the module docstring); False where it cannot be told."""
     if isinstance(x, _PLAIN) or x is None:
         return type(x) is type(y) and x == y
-    if isinstance(x, tuple | list | set | frozenset):
-        return type(x) is type(y) and x == y if isinstance(x, set | frozenset) else type(x) is type(y) and \
-            len(x) == len(y) and all(_same_value(u, v, depth) for u, v in zip(x, y))
+    if isinstance(x, set | frozenset):
+        return type(x) is type(y) and x == y
+    if isinstance(x, tuple | list):
+        return type(x) is type(y) and len(x) == len(y) and all(_same_value(u, v, depth) for u, v in zip(x, y))
     if isinstance(x, torch.Tensor):
         return isinstance(y, torch.Tensor) and type(x) is type(y) and x.dtype == y.dtype and \
             x.device == y.device and x.shape == y.shape and bool(torch.equal(x, y))
