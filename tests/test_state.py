@@ -18,7 +18,7 @@ from torch import nn
 
 from ckptzip.errors import CorruptCheckpointError, UnsupportedStateError
 from ckptzip.format import decode_container, encode_container
-from ckptzip.state import (MOMENT_ROLES, TensorRecord, flatten_state, layer_types, on_host, skeleton_refs,
+from ckptzip.state import (MOMENT_ROLES, FlatState, TensorRecord, flatten_state, layer_types, on_host, skeleton_refs,
                            unflatten_state)
 from ckptzip.tensorbytes import tensor_from_bytes, tensor_to_bytes
 
@@ -457,3 +457,10 @@ def test_a_step_that_is_not_a_scalar_stays_a_record():
 def test_a_malformed_step_scalar_is_a_corrupt_file(leaf):
     with pytest.raises(CorruptCheckpointError, match="skeleton scalar"):
         unflatten_state({"optimizer": {"state": {"__t": "dict", "items": [[0, {"step": leaf}]]}}}, {})
+
+
+def test_a_malformed_step_scalar_is_named_when_its_parameter_is_read():
+    leaf = {"__t": "scalar", "dtype": "float32", "v": "many"}
+    flat = FlatState({}, {}, {"optimizer": {"state": {"__t": "dict", "items": [[0, {"step": leaf}]]}}})
+    with pytest.raises(CorruptCheckpointError, match="skeleton scalar"):
+        flat.params()

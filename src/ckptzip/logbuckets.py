@@ -157,7 +157,7 @@ def segment_histograms(flat: torch.Tensor, offsets, *, alpha: float = 0.01, min_
     f32 = _f32_numpy(flat.reshape(-1))
     o = offs.numpy()
     M = int(t.key.max())
-    cap = int(np.minimum(np.diff(o), 2 * M + 1).sum()) + 1  # emit_counts writes one past
+    cap = row_capacity(o, M)
     outs = {k: (np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64), np.zeros(o.size, dtype=np.int64))
             for k in ("signed", "abs")}
     bad = _hist_kernel(f32.view(np.int32), f32, o, t.shift, t.key, t.bound, M, "signed" in kinds, "abs" in kinds,
@@ -171,6 +171,13 @@ def segment_histograms(flat: torch.Tensor, offsets, *, alpha: float = 0.01, min_
         n = int(ptr[-1])
         res.append((torch.from_numpy(ords[:n]), torch.from_numpy(counts[:n]), torch.from_numpy(ptr)))
     return tuple(res)
+
+
+def row_capacity(offsets: np.ndarray, M: int) -> int:
+    """The ords / counts entries the emitted rows of the segments at ``offsets`` may need: a segment
+    fills at most min(its size, 2 M + 1) cells, and emit_counts writes one entry past the last it
+    keeps."""
+    return int(np.minimum(np.diff(offsets), 2 * M + 1).sum()) + 1
 
 
 def _seg_name(names, i: int) -> str:
@@ -275,7 +282,7 @@ if HAVE_NUMBA:
     @_numba.njit(cache=True, nogil=True, inline="always")
     def fold_rows(d, lo, hi, f):  # pragma: no cover - compiled
         """f[j] = the sum of the four count rows d[:, j] over both signs' cells of ordinals
-        lo >> 1 .. hi >> 1, those cells of d zeroed (f's are zero there on entry)."""
+        lo >> 1 .. hi >> 1, those cells of d zeroed."""
         if hi < lo:
             return
         for j in range(np.uint64(lo & ~1), np.uint64((hi | 1) + 1)):

@@ -302,8 +302,8 @@ def flatten_state(state: dict, model: nn.Module | None = None,
         return lt
 
     def record(path: list, name: str, t: torch.Tensor) -> dict:
-        if not step_records and len(path) == 4 and path[3] == "step" and path[0] == "optimizer" and \
-                path[1] == "state" and t.dim() == 0 and not t.requires_grad:
+        optimizer_entry = len(path) == 4 and path[0] == "optimizer" and path[1] == "state"
+        if optimizer_entry and path[3] == "step" and not step_records and t.dim() == 0 and not t.requires_grad:
             # torch.optim's steps (never shared: no alias is lost); on a GPU (fused or capturable
             # Adam) each costs a sync here, and the file is the CPU state's
             return scalar_leaf(t)
@@ -323,7 +323,7 @@ def flatten_state(state: dict, model: nn.Module | None = None,
                 ("running_mean", "running_var"))
             role = "weight" if is_param else "buffer"
             ltype = layer(key, t)
-        elif len(path) == 4 and path[0] == "optimizer" and path[1] == "state":
+        elif optimizer_entry:
             role = "step" if path[3] == "step" else str(path[3])
             param = pnames.get(path[2]) if isinstance(path[2], int) else None
             if param is not None:
@@ -411,21 +411,22 @@ def scalar_leaf(t: torch.Tensor) -> dict:
 
 
 def scalar_value(leaf):
-    """A skeleton leaf's number: a scalar leaf's value (anything else: itself)."""
-    if isinstance(leaf, dict) and leaf.get("__t") == "scalar":
-        v = leaf.get("v")
-        return float(v) if isinstance(v, str) else v
-    return leaf
+    """A skeleton leaf's number: a scalar leaf's value (CorruptCheckpointError for a malformed one),
+    anything else itself."""
+    if not (isinstance(leaf, dict) and leaf.get("__t") == "scalar"):
+        return leaf
+    v = leaf.get("v")
+    if leaf.get("dtype") not in DTYPES or not isinstance(v, bool | int | float | str) or \
+            (isinstance(v, str) and v not in ("inf", "-inf", "nan")):
+        raise CorruptCheckpointError(f"skeleton scalar {leaf!r} is malformed (a corrupt file)")
+    return float(v) if isinstance(v, str) else v
 
 
 def _scalar_tensor(leaf: dict, device) -> torch.Tensor:
     """scalar_leaf's tensor again; CorruptCheckpointError for a malformed leaf."""
-    name, v = leaf.get("dtype"), leaf.get("v")
-    if name not in DTYPES or isinstance(v, dict | list) or v is None or \
-            (isinstance(v, str) and v not in ("inf", "-inf", "nan")):
-        raise CorruptCheckpointError(f"skeleton scalar {leaf!r} is malformed (a corrupt file)")
+    v = scalar_value(leaf)
     try:
-        return torch.tensor(float(v) if isinstance(v, str) else v, dtype=DTYPES[name][0], device=device)
+        return torch.tensor(v, dtype=DTYPES[leaf["dtype"]][0], device=device)
     except (TypeError, ValueError, OverflowError, RuntimeError):
         raise CorruptCheckpointError(f"skeleton scalar {leaf!r} does not fit its dtype (a corrupt file)") from None
 

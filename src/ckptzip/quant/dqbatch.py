@@ -34,7 +34,7 @@ import torch
 
 from ..errors import ConfigError, NonFiniteError
 from ..inplace import segment_offsets
-from ..logbuckets import HAVE_NUMBA, lookup_table, segment_histograms
+from ..logbuckets import HAVE_NUMBA, lookup_table, row_capacity, segment_histograms
 from ..parallel import thread_map
 from ..sketch import LogSketch
 from ..tensorbytes import dtype_name
@@ -384,7 +384,7 @@ def _partition_hist(c: Chunk, params, alpha: float, signed=None):
         n = int(q_ptr[-1])
         return (torch.from_numpy(q_ords[:n]), torch.from_numpy(q_counts[:n]), torch.from_numpy(q_ptr)), \
             cnt[:, 0], cnt[:, 2]
-    cap = int(np.minimum(np.diff(c.offsets), 2 * M + 1).sum()) + 1  # emit_counts writes one past
+    cap = row_capacity(c.offsets, M)
     ords, counts = np.empty(cap, np.int64), np.empty(cap, np.int64)
     ptr = np.zeros(T + 1, np.int64)
     n_pruned, n_prot = np.zeros(T, np.int64), np.zeros(T, np.int64)

@@ -183,7 +183,7 @@ def _same_tensors(a: dict, b: dict, *, released: bool = False) -> bool:
 
 def _same_value(x, y, depth: int = 0) -> bool:
     """A plain attribute equal in both (see the module docstring); False where it cannot be told."""
-    if isinstance(x, _PLAIN) or x is None:
+    if isinstance(x, _PLAIN):
         return type(x) is type(y) and x == y
     if isinstance(x, set | frozenset):
         return type(x) is type(y) and x == y
