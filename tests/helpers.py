@@ -33,3 +33,16 @@ def assert_same(a, b, path="<root>", *, strict_types=False):
         assert isinstance(b, float) and math.isnan(b), path
     else:
         assert type(a) is type(b) and a == b, f"{path}: {a!r} != {b!r}"
+
+
+def coded_stages(pipeline: list[str]) -> list[str]:
+    """A quantized record's pipeline less ``batch/1`` (where its bytes are stored, not how they are coded)."""
+    return [s for s in pipeline if s != "batch/1"]
+
+
+def record_part(container, name: str, part: str) -> bytes:
+    """A quantized record's part (``codes``, ``codebook``, ...) in a decoded container, wherever it is stored."""
+    from ckptzip.methods.base import Encoded
+    from ckptzip.methods.qrecord import part_bytes
+
+    return part_bytes(Encoded(records=container.manifest["records"], blobs=container.blobs), name, part)

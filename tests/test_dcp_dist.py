@@ -24,7 +24,7 @@ from ckptzip.dcp import CompressedWriter, tools
 from ckptzip.dcp.layout import Root
 from ckptzip.errors import CorruptCheckpointError
 from ckptzip.format import decode_container
-from helpers import assert_same
+from helpers import assert_same, record_part
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -105,7 +105,7 @@ def _quantized_records(url, step, world):
         for name, rec in c.manifest["records"].items():
             numel[name] = min(numel.get(name, 1 << 62), int(torch.Size(rec["shape"]).numel()))
             if rec["pipeline"][0].startswith("dynaquant"):
-                out.setdefault(name, []).append((rec["meta"].get("prune_threshold"), c.blobs[rec["blobs"]["codebook"]]))
+                out.setdefault(name, []).append((rec["meta"].get("prune_threshold"), record_part(c, name, "codebook")))
     return out, numel, c.manifest["config"]
 
 

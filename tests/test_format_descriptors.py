@@ -26,19 +26,22 @@ _EXACT = ["exact/1, bytegroup/1", "exact/1, raw/1"]
 _EXACT_Q = _EXACT + ["exact/1, group/1, bytegroup/1"]  # the quantizing methods group small exact records (M.1)
 _EXACT_DELTAS = _EXACT_Q + ["exact/1, same/1"]  # the quantizing template's delta files (M.1)
 _EXCP_CODES = ["excp-codes/2, {ans|huffman}/1", "excp-codes/2, bitpack/1, {xz|zstd-frame}/1"]
-_GRID = ["moment-grid/1, cyclic-delta/1?, tuple/1?, {ans|rans}/1",  # M.10
-         "moment-direction/1, tuple/1?, {ans|rans}/1", "moment-direction/1"]
-_GRID_KEYFRAMES = ["moment-grid/1, tuple/1?, {ans|rans}/1", "moment-direction/1, tuple/1?, {ans|rans}/1",
+_B = ", batch/1?"  # a small quantized record's data in the shared blob (M.2)
+_GRID = ["moment-grid/1, cyclic-delta/1?, tuple/1?, {ans|rans}/1" + _B,  # M.10
+         "moment-direction/1, tuple/1?, {ans|rans}/1" + _B, "moment-direction/1"]
+_GRID_KEYFRAMES = ["moment-grid/1, tuple/1?, {ans|rans}/1" + _B, "moment-direction/1, tuple/1?, {ans|rans}/1" + _B,
                    "moment-direction/1"]
 DOCUMENTED: dict[str, list[str]] = {
     "lossless": ["lossless/1, bytegroup/1", "lossless/1, xor/1, bytegroup/1", "lossless/1, xor/1?, group/1, bytegroup/1"],
-    "dynaquant": _EXACT_DELTAS + ["dynaquant/1, rle/1?, {huffman|ans|rans|zstd-ints}/1",
-                                  "dynaquant/1, cyclic-delta/1, rearrange/1?, rle/1?, {huffman|ans|rans|zstd-ints}/1",
-                                  "dynaquant/1, residual/1, rle/1?, {huffman|ans|rans|zstd-ints}/1",
-                                  "dynaquant/1, {residual|cyclic-delta}/1?, tuple/1, {ans|rans}/1"] + _GRID,
-    "qd": _EXACT_DELTAS + ["qd/1, huffman/1", "qd/1, cyclic-delta/1, huffman/1", "qd/1, residual/1, huffman/1"] + _GRID,
-    "cnr": _EXACT_Q + ["cnr/1, huffman/1"] + _GRID_KEYFRAMES,
-    "gobo": _EXACT_Q + ["gobo/1, huffman/1"] + _GRID_KEYFRAMES,
+    "dynaquant": _EXACT_DELTAS + [p + _B for p in (
+        "dynaquant/1, rle/1?, {huffman|ans|rans|zstd-ints}/1",
+        "dynaquant/1, cyclic-delta/1, rearrange/1?, rle/1?, {huffman|ans|rans|zstd-ints}/1",
+        "dynaquant/1, residual/1, rle/1?, {huffman|ans|rans|zstd-ints}/1",
+        "dynaquant/1, {residual|cyclic-delta}/1?, tuple/1, {ans|rans}/1")] + _GRID,
+    "qd": _EXACT_DELTAS + [p + _B for p in ("qd/1, huffman/1", "qd/1, cyclic-delta/1, huffman/1",
+                                            "qd/1, residual/1, huffman/1")] + _GRID,
+    "cnr": _EXACT_Q + ["cnr/1, huffman/1" + _B] + _GRID_KEYFRAMES,
+    "gobo": _EXACT_Q + ["gobo/1, huffman/1" + _B] + _GRID_KEYFRAMES,
     "bitsnap": _EXACT + ["bitsnap/1, bitmask/1", "bitsnap/1, bitmask/1, bytegroup/1",
                          "bitsnap/1, bitmask/1, zstd-frame/1", "bitsnap/1, cluster8/1",
                          "bitsnap/1, cluster8/1, zero-if/1"],
@@ -52,8 +55,8 @@ DOCUMENTED: dict[str, list[str]] = {
 # the same table for the files ckptzip 0.1 wrote (FORMAT.md "Pipelines of files written by ckptzip 0.1")
 _V1_CODERS = "{ans|huffman|xz|zstd}/1"
 DOCUMENTED_V01: dict[str, list[str]] = {
-    **{m: [p for p in DOCUMENTED[m] if not p.startswith("moment-") and "residual/1" not in p and "same/1" not in p
-           and ", group/1" not in p]
+    **{m: [p.removesuffix(_B) for p in DOCUMENTED[m] if not p.startswith("moment-") and "residual/1" not in p
+           and "same/1" not in p and ", group/1" not in p]
        for m in ("qd", "cnr", "gobo")},
     "lossless": ["lossless/1, bytegroup/1", "lossless/1, xor/1, bytegroup/1"],
     "dynaquant": _EXACT + ["dynaquant/1, rle/1?, {huffman|ans|zstd}/1",
@@ -73,8 +76,8 @@ GOLDEN_V01 = Path(__file__).resolve().parent / "data" / "golden_methods_v1"
 DELTA_ONLY = ["xor/1", "cyclic-delta/1", "rearrange/1", "residual/1", "bitmask/1", "excp-residual/1", "excp-base/1",
               "same/1"]
 SHARED_BLOBS = {"excp": {"payload"}, "excp-fixed": {"payload", "codes"},  # FORMAT.md 1.2
-                # section 6 and M.1: the digits state's small float32 records
-                **{m: {"group.4f"} for m in ("lossless", "dynaquant", "qd", "cnr", "gobo")}}
+                # section 6 and M.1: the digits state's small float32 records; M.2: its small quantized ones
+                "lossless": {"group.4f"}, **{m: {"group.4f", "batch"} for m in ("dynaquant", "qd", "cnr", "gobo")}}
 QUANTIZED = {"dynaquant/1", "qd/1", "cnr/1", "gobo/1"}                      # M.2 records
 
 
@@ -110,8 +113,10 @@ def expected_parts(record: dict) -> set[str]:
         return set()  # bytes in the shared payload
     if pipe[0] in ("exact/1", "lossless/1"):
         return set() if "group/1" in pipe else {"data"}  # a grouped record's words: in its group blob
-    if pipe[0] in QUANTIZED:
-        return {"codes", "codebook"} | {f"side.{k}" for k in meta["side"]}
+    if pipe[-1] == "batch/1":
+        return set()  # its packed data in the shared blob (M.2)
+    if pipe[0] in QUANTIZED:  # packed since batch/1
+        return {"data"} if "parts" in meta else {"codes", "codebook"} | {f"side.{k}" for k in meta["side"]}
     if pipe[0] in ("moment-grid/1", "moment-direction/1"):  # M.10: the M.2 parts packed in one blob
         return set() if meta.get("zero") else {"data"}
     if pipe[:2] == ["bitsnap/1", "cluster8/1"]:

@@ -23,6 +23,7 @@ DATA = Path(__file__).resolve().parent / "data"
 V1, V2 = DATA / "golden_methods_v1", DATA / "golden_methods_v2"
 V2_ANS = DATA / "golden_methods_v2_ans"  # v2 chains as written before rans/1 replaced ans/1 (frozen)
 V3 = DATA / "golden_methods_v3"  # v2 chains in format version 3, a safetensors tensor a blob (frozen)
+V2_BLOBS = DATA / "golden_methods_v2_blobs"  # v2 chains before batch/1: a quantized record's own blobs (frozen)
 INPUTS = json.loads((V1 / "inputs.json").read_text())
 EXPECTED = {"v1": json.loads((V1 / "expected.json").read_text()), "v2": json.loads((V2 / "expected.json").read_text())}
 _spec = importlib.util.spec_from_file_location("make_golden_methods", DATA / "make_golden_methods.py")
@@ -71,6 +72,16 @@ def test_current_chain_decodes_as_written(name, values):
 def test_ans_coded_chain_decodes_as_its_rans_successor(name, values):
     """The same chains coded with ans/1 (grid moments included) restore what v2's rans/1 files do."""
     _restores_as_expected(V2_ANS, name, EXPECTED["v2"][name], values)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in V2_BLOBS.iterdir()))
+def test_unbatched_chain_decodes_as_its_batched_successor(name, values):
+    """Two v2 chains as written before batch/1 (each quantized record's parts in blobs of its own)
+    restore what today's files of the same chains, whose small records share one blob, do."""
+    old = [CheckpointChain(V2_BLOBS / name).manifest(s) for s in CheckpointChain(V2_BLOBS / name).steps()]
+    new = [CheckpointChain(V2 / name).manifest(s) for s in CheckpointChain(V2 / name).steps()]
+    assert not any("batch" in m["blobs"] for m in old) and all("batch" in m["blobs"] for m in new)
+    _restores_as_expected(V2_BLOBS, name, EXPECTED["v2"][name], values)
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in V3.iterdir()))

@@ -194,7 +194,7 @@ def test_grouped_small_records_decode_as_the_per_record_layout(digits_snapshots,
     data[off + 20] ^= 0x01
     path.write_bytes(bytes(data))
     problems = list(map(str, chains["grouped"].verify(deep=False)))
-    assert any("more record(s) in group blob 'group.4f' are damaged" in p for p in problems), problems
+    assert any("more record(s) sharing blob 'group.4f' are damaged" in p for p in problems), problems
     with pytest.raises(Corrupt, match="group.4f"):
         CheckpointChain(tmp_path / "grouped").load(2)
     # meta.group pointing outside its blob, or at no blob

@@ -2,6 +2,7 @@
 import copy
 
 import pytest
+from helpers import coded_stages, record_part
 import torch
 
 from ckptzip import CheckpointChain, KeyframePolicy
@@ -106,7 +107,7 @@ def test_delta_records_and_resumed_writer(chain_and_run, tmp_path):
     wq = [n for n, r in recs.items() if r["pipeline"][0] == "dynaquant/1" and r["role"] == "weight"]
     assert wq and all("cyclic-delta/1" in recs[n]["pipeline"] for n in wq)
     for n in wq:  # coder="auto": the paper's rearranged RLE + Huffman, or the order-0 coder on the plain delta
-        h = read_codes_header(c.blobs[recs[n]["blobs"]["codes"]])
+        h = read_codes_header(record_part(c, n, "codes"))
         assert h["delta"]
         assert (h["rearrange"] and h["rle"] and h["coder"] == "huffman") or \
             (h["coder"] == ORDER0_CODER and not h["rle"])
@@ -178,7 +179,8 @@ def test_paper_encoder_is_selectable(tmp_path, digits_snapshots):
 
     recs = decode_container(ch.storage.read(e.file)).manifest["records"]
     w = [r for r in recs.values() if r["role"] == "weight" and r["pipeline"][0] == "dynaquant/1"]
-    assert w and all(r["pipeline"][1:] == ["cyclic-delta/1", "rearrange/1", "rle/1", "huffman/1"] for r in w)
+    assert w and all(coded_stages(r["pipeline"])[1:] == ["cyclic-delta/1", "rearrange/1", "rle/1", "huffman/1"]
+               for r in w)
 
 
 @pytest.mark.parametrize("residual", ["never", "always"])
@@ -229,3 +231,57 @@ def test_config_dict_is_built_once_per_config():
     m.config = dataclasses.replace(m.config, residual="never")
     assert m.config_dict()["residual"] == "never" and first["residual"] != "never"
     assert get_method("bitsnap").config_dict() == dataclasses.asdict(get_method("bitsnap").config)
+
+
+def test_small_quantized_records_share_one_blob(tmp_path, digits_snapshots, monkeypatch):
+    """Quantized records under qrecord.BATCH_BELOW codes keep no blob of their own (batch/1): their
+    packed parts are spans of the blob ``batch``. The files restore the bits of files where every
+    record has its own blob; the shared bytes are split over the records' roles and rows; a flipped
+    byte in the shared blob is found and every record in it named."""
+    from ckptzip.chain import checkpoint_file
+    from ckptzip.errors import CorruptCheckpointError
+    from ckptzip.methods import qrecord
+    from ckptzip.tables import record_rows
+
+    torch.set_num_threads(1)
+    model, opt, snaps, _ = digits_snapshots
+    chains = {}
+    for label, below in (("mixed", 2048), ("own", 0)):  # the digits MLP's fc1 (8192 codes) keeps its own
+        monkeypatch.setattr(qrecord, "BATCH_BELOW", below)
+        chains[label] = CheckpointChain(tmp_path / label, "dynaquant")
+        for step, st in states(snaps[:3]):
+            chains[label].save(st, step, model=model, optimizer=opt)
+    ch = chains["mixed"]
+    for e in ch.entries():
+        man = ch.manifest(e.step)
+        recs = man["records"]
+        batched = [n for n, r in recs.items() if r["pipeline"][-1] == "batch/1"]
+        own = [n for n, r in recs.items() if r["pipeline"][0] == "dynaquant/1" and n not in batched]
+        assert len(batched) >= 4 and own and all(not recs[n]["blobs"] for n in batched)
+        assert all(set(recs[n]["blobs"]) == {"data"} for n in own)  # packed (meta.parts) in a blob of its own
+        spans = sorted(recs[n]["meta"]["batch"][1:] for n in batched)
+        assert spans[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert spans[-1][0] + spans[-1][1] == man["blobs"]["batch"]["nbytes"]
+        roles = e.bytes_by_role
+        assert "shared" not in roles
+        assert abs(sum(v[1] for v in roles.values()) - sum(b["nbytes"] for b in man["blobs"].values())) <= 4
+        assert sum(r["stored_bytes"] for r in record_rows(man)) == sum(b["nbytes"] for b in man["blobs"].values()) - \
+            sum(b["nbytes"] for k, b in man["blobs"].items() if k.startswith("group."))
+        assert not any(r["pipeline"][-1] == "batch/1" for r in chains["own"].manifest(e.step)["records"].values())
+        a, b = ch.restore(e.step).flat.tensors, chains["own"].restore(e.step).flat.tensors
+        assert set(a) == set(b) and all(torch.equal(a[n].view(-1).view(torch.uint8), b[n].view(-1).view(torch.uint8))
+                                        for n in a)
+    assert sum(e.nbytes for e in ch.entries()) < sum(e.nbytes for e in chains["own"].entries())
+    # a byte flipped inside the shared blob of the last file
+    last = ch.entries()[-1]
+    path = tmp_path / "mixed" / checkpoint_file(last.step)
+    data, man = bytearray(path.read_bytes()), ch.manifest(last.step)
+    keys = sorted(man["blobs"])
+    off = len(data) - sum(man["blobs"][k]["nbytes"] for k in keys[keys.index("batch"):])
+    data[off + 3] ^= 0x01
+    path.write_bytes(bytes(data))
+    n = sum(r["pipeline"][-1] == "batch/1" for r in man["records"].values())
+    problems = list(map(str, ch.verify(deep=False)))
+    assert any(f"and {n - 1} more record(s) sharing blob 'batch' are damaged" in p for p in problems), problems
+    with pytest.raises(CorruptCheckpointError, match="batch"):
+        CheckpointChain(tmp_path / "mixed").load(last.step)

@@ -6,6 +6,7 @@ import zlib
 
 import numpy as np
 import pytest
+from helpers import coded_stages
 import torch
 
 from ckptzip import CheckpointChain, KeyframePolicy
@@ -190,7 +191,7 @@ def test_a_chain_with_packed_codes_restores_what_the_unpacked_chain_does(tmp_pat
         ch = CheckpointChain(root, "dynaquant", keyframe=KeyframePolicy(every=3))
         entries = [ch.save({"model": s.model, "optimizer": s.optimizer}, s.step, model=model, optimizer=opt)
                    for s in snaps[:4]]
-        pipes = {tuple(r["pipeline"]) for e in entries
+        pipes = {tuple(coded_stages(r["pipeline"])) for e in entries
                  for r in decode_container(ch.storage.read(e.file)).manifest["records"].values()}
         restored = [torch.cat([t.reshape(-1).double() for _, t in flat_tensors(ch.load(e.step))]) for e in entries]
         return restored, pipes, sum(e.nbytes for e in entries)

@@ -482,8 +482,8 @@ _ROLES = frozenset(("weight", "exp_avg", "exp_avg_sq", "momentum_buffer"))
 
 
 def _bytes_by_role(flat: FlatState, enc: Encoded) -> dict:
-    # a group blob (small records, ``meta.group``) is split over its records by their words; a blob
-    # no record claims that way (ExCP's payload) counts as "shared"
+    # a group blob (small records, ``meta.group``) is split over its records by their words, the shared
+    # batch blob (``meta.batch``) by their spans; a blob no record claims (ExCP's payload) is "shared"
     blobs, out, words, members = enc.blobs, {}, {}, {}
     for name, rec in flat.records.items():
         r = enc.records[name]
@@ -494,10 +494,17 @@ def _bytes_by_role(flat: FlatState, enc: Encoded) -> dict:
         acc[0] += rec.nbytes
         for k in r["blobs"].values():
             acc[1] += len(blobs[k])
-        g = r["meta"].get("group") if r["meta"] else None
+        meta = r["meta"]
+        if not meta:
+            continue
+        g = meta.get("group")
         if isinstance(g, list) and len(g) == 3 and g[0] in blobs:
             words[g[0]] = words.get(g[0], 0) + int(g[2])
             members.setdefault(g[0], []).append((acc, int(g[2])))
+        b = meta.get("batch")
+        if b is not None:  # our own meta: qrecord.RecordBatch wrote it
+            acc[1] += b[2]
+            members.setdefault(b[0], [])
     for key, ms in members.items():
         for acc, n in ms:
             acc[1] += len(blobs[key]) * n / (words[key] or 1)

@@ -74,6 +74,9 @@ def record_rows(manifest: dict) -> list[dict]:
     rows = []
     for name, r in manifest["records"].items():
         nbytes = sum(int(blobs.get(k, {}).get("nbytes", 0)) for k in r.get("blobs", {}).values())
+        span = r.get("meta", {}).get("batch")  # its span of the shared blob (stage batch/1)
+        if isinstance(span, list) and len(span) == 3 and isinstance(span[2], int):
+            nbytes += span[2]
         rows.append({"name": name, "role": r.get("role"), "layer_type": r.get("layer_type"), "dtype": r.get("dtype"),
                      "shape": r.get("shape"), "stored_bytes": nbytes, "pipeline": r.get("pipeline")})
     return rows

@@ -91,17 +91,18 @@ def _damaged_records(data: bytes, step: int, where: str) -> list[Problem]:
         return []  # the header itself is damaged: the file's problem line already says so
     records = c.manifest.get("records", {})
     owner = {k: n for n, r in records.items() for k in r.get("blobs", {}).values()}
-    grouped: dict[str, list[str]] = {}  # group blob -> the records whose words it holds (stage group/1)
+    grouped: dict[str, list[str]] = {}  # a blob that records share (stages group/1, batch/1) -> those records
     for n, r in records.items():
-        g = r.get("meta", {}).get("group") if isinstance(r.get("meta"), dict) else None
-        if isinstance(g, list) and g and isinstance(g[0], str):
-            grouped.setdefault(g[0], []).append(n)
+        meta = r.get("meta") if isinstance(r.get("meta"), dict) else {}
+        for g in (meta.get("group"), meta.get("batch")):
+            if isinstance(g, list) and g and isinstance(g[0], str):
+                grouped.setdefault(g[0], []).append(n)
     out = []
     for k, blob in c.blobs.items():
         if not blob_matches(c.manifest["blobs"][k], blob, c.checksum):
             names = [owner[k]] if k in owner else grouped.get(k, [])
             what = f"shared blob {k!r}" if not names else f"record {names[0]!r}" + (
-                f" and {len(names) - 1} more record(s) in group blob {k!r}" if len(names) > 1 else "")
+                f" and {len(names) - 1} more record(s) sharing blob {k!r}" if len(names) > 1 else "")
             out.append(Problem(f"{what} {'are' if len(names) > 1 else 'is'} damaged (blob {k} fails its checksum)",
                                step, where, record=names[0] if names else None, fix=FIX_FILE))
     return out

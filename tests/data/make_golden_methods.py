@@ -22,7 +22,8 @@ so move them to a new frozen golden folder first when an old reader path is at s
 written while ``auto`` and the grid moment codec coded with ``ans/1``, before ``rans/1`` replaced it
 (their restore is v2's ``expected.json`` entry of the same name). ``golden_methods_v3/`` is another:
 four of v2's chains in container format version 3 (a safetensors tensor a blob), before version 4
-put the blobs in one tensor.
+put the blobs in one tensor. ``golden_methods_v2_blobs/``: v2's ``dynaquant`` and ``dynaquant-residual`` chains as
+written before stage ``batch/1`` (each quantized record's parts in blobs of its own).
 
 golden_methods_v1/
     values.safetensors   every distinct tensor below, keyed by the first 16 hex digits of

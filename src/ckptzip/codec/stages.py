@@ -73,6 +73,8 @@ def _stage(descriptor: str, layout: str, **kw) -> Stage:
 RAW = _stage("raw/1", "the bytes as they are, in the record's own blob 'data' (0.1's excp and excp-fixed "
              "also wrote it FIRST for bytes at meta.span of the shared payload: since 0.2 'span/1')",
              takes=BYTES, codec=f"{__name__}:_identity:_identity")
+BATCH = _stage("batch/1", "a quantized record's blob 'data' (its meta.parts) is meta.batch = [blob key, offset, "
+               "nbytes] of the blob 'batch' that the file's small quantized records share: methods/qrecord.py")
 SPAN = _stage("span/1", "the bytes are meta.span = [offset, length] of the method's shared payload blob, "
               "after the payload's own stage (method_meta.payload.stage)")
 BYTEGROUP = _stage("bytegroup/1", "byte planes of the words (floats rotated left by one bit), each a zstd "

@@ -376,7 +376,7 @@ class QuantizingMethod(Method):
         planned = moments.plan_moments(state, cfg.moments, None if enc.keyframe else prev.moments,
                                        marker=stage, codes=cfg.codes)
         codes_w, codes_m, exact, exact_names = {}, {}, {}, []
-        groups, small, batch = GroupWriter(), ExactGroups(enc), qrecord.RecordBatch(enc)
+        groups, small, batch = GroupWriter(), ExactGroups(enc), qrecord.RecordBatch(enc, share=True)
         for name, rec in state.records.items():
             q = quantized.get(name)
             if name in planned:
