@@ -13,7 +13,9 @@ same objects, dtypes and shapes, ready for ``load_state_dict``.
 from __future__ import annotations
 
 import base64
+import itertools
 import math
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -205,8 +207,8 @@ def _infer_param_names(model_sd: dict, opt_sd: dict) -> dict[int, str]:
     out = {}
     for i, k in zip(ids, keys):
         st = state.get(i, {})
-        shapes = {tuple(v.shape) for n, v in st.items() if isinstance(v, torch.Tensor) and n in MOMENT_ROLES}
-        if shapes and shapes != {tuple(model_sd[k].shape)}:
+        shapes = {v.shape for n, v in st.items() if n in MOMENT_ROLES and isinstance(v, torch.Tensor)}
+        if shapes and shapes != {model_sd[k].shape}:
             return {}
         out[i] = k
     return out
@@ -307,12 +309,13 @@ def flatten_state(state: dict, model: nn.Module | None = None,
             # torch.optim's steps (never shared: no alias is lost); on a GPU (fused or capturable
             # Adam) each costs a sync here, and the file is the CPU state's
             return scalar_leaf(t)
+        shape, dtype = t.shape, t.dtype
         # data_ptr() is the storage's address plus the offset: with shape, strides and dtype, one view
-        key = (t.data_ptr(), t.shape, t.stride(), t.dtype) if t.numel() else None
-        if key in seen:
-            return {"__t": "alias", "ref": seen[key]}
+        key = (t.data_ptr(), shape, t.stride(), dtype) if t.numel() else None
         if key is not None:
-            seen[key] = name
+            first = seen.setdefault(key, name)
+            if first is not name:
+                return {"__t": "alias", "ref": first}
         if name in tensors:
             raise UnsupportedStateError(f"two tensors map to the record name {name!r}; rename one of the keys")
         role, ltype, param = "tensor", "other", None
@@ -328,7 +331,7 @@ def flatten_state(state: dict, model: nn.Module | None = None,
             param = pnames.get(path[2]) if isinstance(path[2], int) else None
             if param is not None:
                 ltype = layer(param, model_sd[param]) if model_sd and param in model_sd else ltypes.get(param, "other")
-        records[name] = TensorRecord(name, role, dtype_name(t.dtype), tuple(t.shape), ltype, param)
+        records[name] = TensorRecord(name, role, dtype_name(dtype), tuple(shape), ltype, param)
         tensors[name] = t.detach() if t.requires_grad else t  # state_dict()s hand out detached tensors
         return {"__t": "tensor", "ref": name}
 
@@ -349,7 +352,7 @@ def flatten_state(state: dict, model: nn.Module | None = None,
             return walk(obj.item(), path, name)
         at = name + "/" if path else ""  # a child's record name is this one's, "/", its key
         if isinstance(obj, dict):
-            if all(isinstance(k, str) and not k.startswith("__t") for k in obj):
+            if all(map(isinstance, obj, _STR)) and not any(map(_TAGGED, obj)):  # C loops: a state has many dicts
                 return {k: walk(v, path + [k], at + k) for k, v in obj.items()}
             items = []
             for k, v in obj.items():
@@ -383,6 +386,10 @@ def flatten_state(state: dict, model: nn.Module | None = None,
     finally:
         del walk  # a recursive closure is a reference cycle: it would hold the records until a gc pass
     return FlatState(tensors, records, skeleton, {"param_link": link})
+
+
+_STR = itertools.repeat(str)
+_TAGGED = operator.methodcaller("startswith", "__t")  # a key the skeleton's own tags could be read as
 
 
 def _guess_layer(key: str, t: torch.Tensor) -> str:
