@@ -484,7 +484,7 @@ _ROLES = frozenset(("weight", "exp_avg", "exp_avg_sq", "momentum_buffer"))
 def _bytes_by_role(flat: FlatState, enc: Encoded) -> dict:
     # a group blob (small records, ``meta.group``) is split over its records by their words, the shared
     # batch blob (``meta.batch``) by their spans; a blob no record claims (ExCP's payload) is "shared"
-    blobs, out, words, members = enc.blobs, {}, {}, {}
+    blobs, out, words, members, spanned = enc.blobs, {}, {}, {}, set()
     for name, rec in flat.records.items():
         r = enc.records[name]
         role = rec.role if rec.role in _ROLES else "other"
@@ -504,13 +504,13 @@ def _bytes_by_role(flat: FlatState, enc: Encoded) -> dict:
         b = meta.get("batch")
         if b is not None:  # our own meta: qrecord.RecordBatch wrote it
             acc[1] += b[2]
-            members.setdefault(b[0], [])
+            spanned.add(b[0])
     for key, ms in members.items():
         for acc, n in ms:
             acc[1] += len(blobs[key]) * n / (words[key] or 1)
     for acc in out.values():
         acc[1] = round(acc[1])
-    shared = sum(len(b) for k, b in blobs.items() if not k[:1].isdigit() and k not in members)
+    shared = sum(len(b) for k, b in blobs.items() if not k[:1].isdigit() and k not in members and k not in spanned)
     if shared:
         out.setdefault("shared", [0, 0])[1] += shared
     return out

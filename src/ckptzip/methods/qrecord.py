@@ -123,7 +123,6 @@ class RecordBatch:
         self._jobs, self._pending = [], []
 
 
-
 @functools.lru_cache(maxsize=256)
 def _pipeline(method: str, delta: bool, rearrange: bool, rle: bool, packed: bool, coder: str,
               residual: bool) -> list[str]:
