@@ -68,6 +68,7 @@ class SearchSketch:
         self._index = {n: i for i, n in enumerate(self.names)}
         self._mag: dict[str, LogSketch] = {}            # layer type -> merged |x| sketch
         self._cap: dict[tuple, list[float]] = {}        # (layer type, quantile) -> per-row caps
+        self._const: dict | None = None                 # _constant_terms
 
     # ------------------------------------------------------------------ candidates
     def config(self, knobs: dict) -> dq.DynaQuantConfig:
@@ -109,40 +110,63 @@ class SearchSketch:
         codes = torch.where(pruned, 0, torch.where(protected, k[:, None] + 1, codes))
         cnt = torch.where(valid, cnt, 0)
         side = 32.0 * (k + 2).double() + 16.0 * (cnt * protected).sum(1).double()   # (U,)
-        return [(self._entropy(codes[s], k[s], cnt[s], float(side[s].sum())), self.raw_bits)
-                for s in slot.reshape(len(cfgs), R)]
+        slot = slot.reshape(len(cfgs), R)
+        return [(e, self.raw_bits) for e in self._entropies(codes, k, slot, [float(side[s].sum()) for s in slot])]
 
-    def _entropy(self, codes: torch.Tensor, k: torch.Tensor, cnt: torch.Tensor, est: float) -> float:
-        """``est`` plus the coded size of one candidate's bucket codes (R, B) by the search's coding."""
+    def _entropies(self, codes: torch.Tensor, k: torch.Tensor, slot: torch.Tensor, est: list[float]) -> list[float]:
+        """``est`` (one figure per candidate) plus each candidate's coded size of its bucket codes by
+        the search's coding; ``codes`` (U, B) and ``k`` (U,) of the distinct rows, candidate s's row
+        r is ``slot[s, r]``. All candidates' cells are counted in one bincount."""
         R = len(self.names)
         L = int(k.max()) + 2
-        keyrows = torch.ones(R, dtype=torch.bool)
+        const = self._constant_terms()
         if self.joint is not None and self.joint[0].numel():
             r, p, b, c = self.joint
-            new = codes[r, b]
+            new = codes[slot[:, r], b]                                          # (C, cells)
             Lp = max(self.prev_levels.values())
             if self.coding == "conditional":  # n H(code | prev) = sum_p c_p log c_p - sum c log c
-                est += _neg_clogc(r * (Lp * L) + p * L + new, c, R * Lp * L) - _neg_clogc(r * Lp + p, c, R * Lp)
+                terms = _neg_clogc_rows(r * (Lp * L) + p * L + new, c, R * Lp * L)
+                est = [e + (t - const["joint"]) for e, t in zip(est, terms)]
             else:                             # n H(delta), delta = (new - prev) mod B
                 Bmax = max(L, Lp)
-                B = torch.maximum(k + 2, torch.tensor([self.prev_levels.get(n, 0) for n in self.names]))
-                est += _nlogn(torch.bincount(r, weights=c.double(), minlength=R)) + \
-                    _neg_clogc(r * Bmax + torch.remainder(new - p, B[r]), c, R * Bmax)
-            keyrows[torch.unique(r)] = False
-        if bool(keyrows.any()):               # n H(codes)
-            rr = torch.arange(R)[keyrows]
-            est += _nlogn(cnt[rr].sum(1).double()) + \
-                _neg_clogc((rr[:, None] * L + codes[rr]).reshape(-1), cnt[rr].reshape(-1), R * L)
+                B = torch.maximum(k[slot] + 2, self._prev_levels_row)                # (C, R)
+                terms = _neg_clogc_rows(r * Bmax + torch.remainder(new - p, B[:, r]), c, R * Bmax)
+                est = [e + (const["joint"] + t) for e, t in zip(est, terms)]
+        rr = const["keyrows"]
+        if rr.numel():                        # n H(codes)
+            terms = _neg_clogc_rows((rr[:, None] * L + codes[slot[:, rr]]).reshape(len(est), -1),
+                                    self.counts[rr].reshape(-1), R * L)
+            est = [e + (const["key"] + t) for e, t in zip(est, terms)]
         return est
+
+    def _constant_terms(self) -> dict:
+        """The parts of ``_entropies`` that no candidate changes, computed once: the rows coded
+        without reference codes, their counts' n log n, and the reference codes' own term."""
+        if self._const is None:
+            R = len(self.names)
+            keyrows = torch.ones(R, dtype=torch.bool)
+            const = {}
+            if self.joint is not None and self.joint[0].numel():
+                r, p, b, c = self.joint
+                Lp = max(self.prev_levels.values())
+                if self.coding == "conditional":
+                    const["joint"] = _neg_clogc(r * Lp + p, c, R * Lp)
+                else:
+                    const["joint"] = _nlogn(torch.bincount(r, weights=c.double(), minlength=R))
+                    self._prev_levels_row = torch.tensor([self.prev_levels.get(n, 0) for n in self.names])
+                keyrows[torch.unique(r)] = False
+            const["keyrows"] = rr = torch.arange(R)[keyrows]
+            const["key"] = _nlogn(self.counts[rr].sum(1).double()) if rr.numel() else 0.0
+            self._const = const
+        return self._const
 
     # ------------------------------------------------------------------ internals
     def _thresholds(self, cfg: dq.DynaQuantConfig):
         """Per row: prune below (float64), protect above, bins -- magnitude thresholds of the layer
         type (protection: the top F_prot by magnitude), capped per tensor as the quantizer does."""
         cap_q = dq.prune_cap_quantile(cfg)
-        prune = torch.full((len(self.names),), -math.inf, dtype=torch.float64)
-        protect = torch.full_like(prune, math.inf)
-        bins = torch.empty(len(self.names), dtype=torch.int64)
+        R = len(self.names)
+        prune, protect, bins = [-math.inf] * R, [math.inf] * R, [0] * R  # lists: a tensor item write is ~5 us
         for lt, items in self.sk.groups.items():
             ltp = dq.layer_type_plan(lt, 0, self._type_sketch(lt), None, cfg)
             caps = [math.inf] * len(items)
@@ -155,6 +179,8 @@ class SearchSketch:
                 if ltp.protect_magnitude is not None:
                     protect[i] = ltp.protect_magnitude
                 bins[i] = ltp.bins
+        prune, protect = torch.tensor(prune, dtype=torch.float64), torch.tensor(protect, dtype=torch.float64)
+        bins = torch.tensor(bins, dtype=torch.int64)
         return prune, protect, bins
 
     def _type_sketch(self, lt: str) -> LogSketch:
@@ -216,6 +242,26 @@ def _neg_clogc(cells: torch.Tensor, counts: torch.Tensor, size: int) -> float:
         c = torch.bincount(cells, weights=counts.to(torch.float64), minlength=size)
     c = c[c > 0]
     return float(-(c * torch.log2(c)).sum())
+
+
+def _neg_clogc_rows(cells: torch.Tensor, counts: torch.Tensor, size: int) -> list[float]:
+    """``_neg_clogc`` of each row of ``cells`` (C, n) against the same ``counts`` (n,), binned in
+    one pass; each row's figure is the one ``_neg_clogc`` gives it alone (its cells in cell order)."""
+    C = cells.shape[0]
+    at = cells + size * torch.arange(C)[:, None]
+    w = counts.to(torch.float64).repeat(C)
+    if C * size > DENSE_CELLS:
+        present, inv = torch.unique(at.reshape(-1), return_inverse=True)
+        c = torch.zeros(present.numel(), dtype=torch.float64).index_add_(0, inv, w)
+        rows = torch.searchsorted(present, size * torch.arange(C + 1)).tolist()
+        parts = [c[a:z] for a, z in zip(rows, rows[1:])]
+    else:
+        parts = torch.bincount(at.reshape(-1), weights=w, minlength=C * size).reshape(C, size).unbind(0)
+    out = []
+    for c in parts:
+        c = c[c > 0]
+        out.append(float(-(c * torch.log2(c)).sum()))
+    return out
 
 
 def _nlogn(n: torch.Tensor) -> float:
