@@ -115,6 +115,7 @@ def test_a_batch_takes_the_threads_spare_buffer_and_never_shares_it(snap, monkey
 
 def test_search_sketch_quantizes_exactly_and_estimates_closely(snap):
     from ckptzip.methods import qrecord
+    from ckptzip.logbuckets import HAVE_NUMBA
     from ckptzip.quant.dqsearch import SearchSketch, joint_counts, joint_counts_reference
     from ckptzip.search.strategies import estimate_bits
 
@@ -138,6 +139,12 @@ def test_search_sketch_quantizes_exactly_and_estimates_closely(snap):
     fast, slow = joint_counts(sk, rows, ref), joint_counts_reference(sk, rows, ref)
     key = lambda j: torch.sort(j[0] * 10**9 + j[1] * 10**6 + j[2]).indices  # noqa: E731
     assert all(torch.equal(f[key(fast)], s[key(slow)]) for f, s in zip(fast, slow))
+    if HAVE_NUMBA:  # a NaN after the sketch pass: named, no count written
+        c = sk.chunks[0]
+        i = next(i for i, n in enumerate(c.names) if n in ref)
+        c.x[c.seg(i).start + 5] = float("nan")
+        with pytest.raises(NonFiniteError, match=c.names[i].replace(".", r"\.")):
+            joint_counts(sk, rows, ref)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

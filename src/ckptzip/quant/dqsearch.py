@@ -4,9 +4,8 @@ histograms, quantize only the candidates that are evaluated.
 The search (search/strategies.py) asks a method for ``search_prepare(state, reference, gradients)``
 and then, per candidate config (knobs)::
 
-    prep = SearchSketch(weights, base_config, grads, reference_codes, coding)   # one sketch pass,
-                                                                                # one joint-histogram pass
-    est_bits, raw_bits = prep.estimate(knobs)     # no pass over the weights: histograms only
+    prep = SearchSketch(weights, base_config, grads, reference_codes, coding)   # one sketch pass
+    est_bits, raw_bits = prep.estimate(knobs)     # histograms only (the first: one joint-histogram pass)
     qs = prep.quantize(knobs)                     # partition + assign passes (same as quantize_tensors)
 
 ``estimate`` models the encoder at bucket granularity: each tensor's signed LogSketch histogram is
@@ -29,7 +28,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from ..logbuckets import HAVE_NUMBA, lookup_table
+from ..logbuckets import HAVE_NUMBA, lookup_table, raise_nonfinite
 from ..sketch import LogSketch
 from . import dynaquant as dq
 from .dqbatch import Sketched, Chunk, _merged, row_quantiles
@@ -38,7 +37,7 @@ from .levels import histogram_centers, level_bounds
 if HAVE_NUMBA:
     import numba as _numba
 
-    from ..logbuckets import bucket_ordinal
+    from ..logbuckets import _BLOCK, bucket_fold, emit_counts
 
 __all__ = ["SearchSketch", "joint_counts", "joint_counts_reference"]
 
@@ -61,9 +60,8 @@ class SearchSketch:
         self.rep = LogSketch(config.alpha).ordinal_values(self.ords)                  # (R, B) float64
         self.raw_bits = float(sum(self.sk.specs[n][0].numel() * self.sk.specs[n][0].element_size() * 8
                                   for n in self.names))
-        self.joint = None  # (row, previous code, bucket index, count) of tensors with reference codes
-        if coding != "plain" and reference:
-            self.joint = joint_counts(self.sk, {n: rows[n][2] for n in self.names}, reference)
+        self._reference = reference if coding != "plain" and reference else None
+        self._joint: tuple | None = None  # ``joint``, counted at the first estimate
         self.prev_levels = {n: int(reference[n].n_levels) for n in self.names if reference and n in reference}
         self._index = {n: i for i, n in enumerate(self.names)}
         self._mag: dict[str, LogSketch] = {}            # layer type -> merged |x| sketch
@@ -161,6 +159,16 @@ class SearchSketch:
         return self._const
 
     # ------------------------------------------------------------------ internals
+    @property
+    def joint(self) -> tuple | None:
+        """(row, previous code, bucket index, count) of the tensors with reference codes (None:
+        none to code against), one pass over the weights at the first estimate (an exhaustive
+        search estimates its trials from their codes and never asks)."""
+        if self._joint is None and self._reference is not None:
+            rows = self.sk.rows()
+            self._joint = joint_counts(self.sk, {n: rows[n][2] for n in self.names}, self._reference)
+        return self._joint
+
     def _thresholds(self, cfg: dq.DynaQuantConfig):
         """Per row: prune below (float64), protect above, bins -- magnitude thresholds of the layer
         type (protection: the top F_prot by magnitude), capped per tensor as the quantizer does."""
@@ -275,21 +283,22 @@ def joint_counts(sk: Sketched, signed_rows: Mapping[str, tuple], reference: Mapp
     if not HAVE_NUMBA:
         return joint_counts_reference(sk, signed_rows, reference)
     t = lookup_table(sk.alpha, 1e-30)
+    M = int(t.key.max())
     index = {n: i for i, n in enumerate(sk.order)}
     parts = []
     for c in sk.chunks:
-        prev, rows, lo, maps = _chunk_refs(c, signed_rows, reference, index)
+        prev, L, rows, lo, maps = _chunk_refs(c, signed_rows, reference, index)
         if prev is None:
             continue
         x = c.x.numpy()
-        L = int(prev.max()) + 1
         cap = int(sum(min(c.offsets[i + 1] - c.offsets[i], L * (m.size)) for i, m in enumerate(maps) if m is not None))
         out = np.empty((4, cap), dtype=np.int64)
         lut = np.concatenate([m if m is not None else np.zeros(0, np.int32) for m in maps]).astype(np.int32)
         lut_off = np.concatenate([[0], np.cumsum([m.size if m is not None else 0 for m in maps])]).astype(np.int64)
-        nb = np.array([int(signed_rows[n][0].numel()) for n in c.names], np.int64)
         n = _joint_kernel(x.view(np.int32), x, prev, c.offsets, np.array(rows, np.int64), np.array(lo, np.int64),
-                          lut, lut_off, nb, L, t.shift, t.key, t.bound, out)
+                          lut, lut_off, L, M, t.shift, t.key, t.bound, out)
+        if n < 0:  # the sketch pass raises first; kept so that no count is ever written out of range
+            raise_nonfinite(c.x[c.seg(-1 - n)], c.names[-1 - n])
         parts.append(torch.from_numpy(out[:, :n].copy()))
     if not parts:
         return tuple(torch.zeros(0, dtype=torch.int64) for _ in range(4))
@@ -298,28 +307,35 @@ def joint_counts(sk: Sketched, signed_rows: Mapping[str, tuple], reference: Mapp
 
 
 def _chunk_refs(c: Chunk, signed_rows, reference, index):
-    """Per segment of a chunk: packed previous codes (-1: none), row index, lowest ordinal, and the
-    ordinal -> bucket index map of its row."""
-    prev = np.full(c.x.numel(), -1, dtype=np.int32)
-    rows, lo, maps, any_ref = [], [], [], False
+    """The previous codes of a chunk's segments, packed (unset in segments without: row -1), one
+    more than the largest, and per segment: row index, lowest ordinal, and the ordinal -> bucket
+    index map of its row."""
+    refs = {}
     for i, n in enumerate(c.names):
-        ords = signed_rows[n][0]
         ref = reference.get(n) if reference else None
         seg = c.seg(i)
-        if ref is not None and ref.codes.numel() == seg.stop - seg.start and ords.numel():
-            prev[seg] = ref.codes.reshape(-1).numpy()
+        if ref is not None and ref.codes.numel() == seg.stop - seg.start and signed_rows[n][0].numel():
+            refs[i] = ref.codes.reshape(-1).numpy()
+    if not refs:
+        return None, 0, [], [], []
+    prev = np.empty(c.x.numel(), dtype=np.result_type(*(a.dtype for a in refs.values())))  # uint8 codes stay uint8
+    L = max(int(a.max()) for a in refs.values() if a.size) + 1
+    rows, lo, maps = [], [], []
+    for i, n in enumerate(c.names):
+        ords = signed_rows[n][0]
+        if i in refs:
+            prev[c.seg(i)] = refs[i]
             o0 = int(ords[0])
             m = np.full(int(ords[-1]) - o0 + 1, -1, dtype=np.int32)
             m[(ords - o0).numpy()] = np.arange(ords.numel(), dtype=np.int32)
             rows.append(index[n])
             lo.append(o0)
             maps.append(m)
-            any_ref = True
         else:
             rows.append(-1)
             lo.append(0)
             maps.append(None)
-    return (prev if any_ref else None), rows, lo, maps
+    return prev, L, rows, lo, maps
 
 
 def joint_counts_reference(sk: Sketched, signed_rows: Mapping[str, tuple], reference: Mapping) -> tuple:
@@ -345,26 +361,50 @@ def joint_counts_reference(sk: Sketched, signed_rows: Mapping[str, tuple], refer
 
 if HAVE_NUMBA:
     @_numba.njit(cache=True, nogil=True)
-    def _joint_kernel(bits, x, prev, offsets, rows, lo, lut, lut_off, nb, L, shift, key, bound,
+    def _joint_kernel(bits, x, prev, offsets, rows, lo, lut, lut_off, L, M, shift, key, bound,
                       out):  # pragma: no cover - compiled
-        """Dense (previous code, bucket) counts per segment with reference codes, then its non-zero
-        cells as (row, code, bucket, count) columns of ``out``. Returns the number written."""
+        """Counts per segment with reference codes by (previous code, folded bucket), then its
+        non-zero cells as (row, code, bucket index, count) columns of ``out``, in (code, bucket
+        index) order. Returns the number written, or -1 - s where segment s holds inf/NaN.
+        A block's buckets first, branch-free (``bucket_fold``: the loop vectorizes), then its
+        counts, as the sketch pass's ``_hist_kernel``; buckets become bucket indices only per
+        non-zero cell (``emit_counts``, then the row's map)."""
+        W = 2 * M + 2
+        d = np.zeros((L, W), dtype=np.int64)
+        block = np.empty(_BLOCK, np.int32)
+        ords = np.empty(W + 1, np.int64)
+        counts = np.empty(W + 1, np.int64)
         n = 0
         for s in range(offsets.shape[0] - 1):
             if rows[s] < 0:
                 continue
-            B = nb[s]
-            d = np.zeros(L * B, dtype=np.int64)
-            m = lut[lut_off[s]:lut_off[s + 1]]
-            for i in range(offsets[s], offsets[s + 1]):
-                b = m[bucket_ordinal(bits[i], x[i], shift, key, bound) - lo[s]]
-                d[prev[i] * B + b] += 1
-            for j in range(L * B):
-                if d[j]:
+            a, e = offsets[s], offsets[s + 1]
+            lo_f, hi_f, top = 2 * M + 1, 0, 0
+            while a < e:
+                m = min(e - a, _BLOCK)
+                blo, bhi = np.int32(2 * M + 1), np.int32(0)
+                for t in range(m):
+                    j = bucket_fold(bits[a + t], x[a + t], shift, key, bound)
+                    block[t] = j
+                    blo = min(blo, j)
+                    bhi = max(bhi, j)
+                if blo < 0:
+                    return -1 - s
+                for t in range(m):
+                    p = prev[a + t]
+                    d[p, block[t]] += 1
+                    top = max(top, p)
+                lo_f = min(lo_f, blo)
+                hi_f = max(hi_f, bhi)
+                a += m
+            bmap = lut[lut_off[s]:lut_off[s + 1]]
+            for p in range(np.int64(top) + 1):
+                k = emit_counts(d[p], lo_f, hi_f, False, True, ords, counts, 0)
+                for i in range(k):
                     out[0, n] = rows[s]
-                    out[1, n] = j // B
-                    out[2, n] = j % B
-                    out[3, n] = d[j]
+                    out[1, n] = p
+                    out[2, n] = bmap[ords[i] - lo[s]]
+                    out[3, n] = counts[i]
                     n += 1
         return n
 else:  # pragma: no cover
