@@ -39,7 +39,7 @@ from ..parallel import thread_map
 from ..sketch import LogSketch
 from ..tensorbytes import dtype_name
 from . import dynaquant as dq
-from .base import QuantizedTensor, flat32
+from .base import QuantizedTensor, flat32, flat_float32
 from .dqkernels import assign_kernel, partition_counts_kernel, partition_hist_kernel, trim_rows_kernel
 from .levels import from_domain, histogram_centers, level_bounds
 
@@ -271,7 +271,7 @@ class Sketched:
             if ltp.centers is not None:
                 out[n] = ltp.centers.cpu()
             elif x.numel() - n_pruned[n] - n_prot[n] <= ltp.bins:  # every value its own center, exactly
-                xf = dq._flat_f32(x, n)
+                xf = flat_float32(x, f"DynaQuant ({n})")
                 out[n] = dq._fit_centers(xf[dq._partition(xf, n, plan) == 1], ltp.bins, cfg).cpu()
             else:
                 by_bins.setdefault(ltp.bins, []).append(n)

@@ -83,11 +83,11 @@ import torch
 
 from ..configcheck import OneOf, Range, check_fields
 from ..dist import shared_sketch, sharing
-from ..errors import ConfigError, NonFiniteError
+from ..errors import ConfigError
 from ..kmeans import INITS
 from ..sketch import LogSketch
 from ..tensorbytes import dtype_name, torch_dtype
-from .base import MIN_NUMEL_RANGE, QuantizedTensor, all_finite, apply_codebook
+from .base import MIN_NUMEL_RANGE, QuantizedTensor, apply_codebook, flat_float32
 from .adam import adam_denominator, adam_direction_error, denormalize_exp_avg, normalize_exp_avg  # noqa: F401
 from .dqkernels import dequantize_kernel
 from .levels import DOMAINS
@@ -200,15 +200,6 @@ def _unpack(spec) -> tuple[torch.Tensor, str, str]:
     return t, lt, role
 
 
-def _flat_f32(x: torch.Tensor, name: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"{name}: DynaQuant quantizes float tensors, got {getattr(x, 'dtype', type(x))}")
-    xf = x.detach().reshape(-1).to(torch.float32)
-    if not all_finite(xf):
-        raise NonFiniteError(f"{name}: tensor holds inf/NaN; DynaQuant needs finite values (store it exact)")
-    return xf
-
-
 def _grad_for(name: str, xf: torch.Tensor, grads) -> torch.Tensor | None:
     if grads is None or name not in grads:
         return None
@@ -305,7 +296,7 @@ def fit_layer_thresholds_reference(tensors: Mapping[str, tuple], config: DynaQua
         mag_sk = LogSketch(alpha=cfg.alpha)
         sens_sk = None if fallback else LogSketch(alpha=cfg.alpha)
         for name, t in items:
-            xf = _flat_f32(t, name)
+            xf = flat_float32(t, f"DynaQuant ({name})")
             _check_domain(xf, name, cfg.domain)
             t_mag = LogSketch(alpha=cfg.alpha).add(xf.abs(), name=name)  # per tensor, merged per type
             mag_sk.merge(t_mag)
@@ -331,7 +322,7 @@ def fit_layer_thresholds_reference(tensors: Mapping[str, tuple], config: DynaQua
         for lt, items in groups.items():
             sk = LogSketch(alpha=cfg.alpha)
             for name, t in items:
-                xf = _flat_f32(t, name)
+                xf = flat_float32(t, f"DynaQuant ({name})")
                 part = _partition(xf, name, plan)
                 vals = xf[part == 1]
                 sk.add(vals, name=name)
@@ -416,7 +407,7 @@ def quantize_reference(x: torch.Tensor, name: str, plan: DynaQuantPlan) -> Quant
     cfg = plan.config
     lt = plan.tensors[name]
     ltp = plan.layer_types[lt]
-    xf = _flat_f32(x, name)
+    xf = flat_float32(x, f"DynaQuant ({name})")
     _check_domain(xf, name, cfg.domain)
     part = _partition(xf, name, plan)
     qmask = part == 1
