@@ -19,10 +19,18 @@ compared: the script says whether both builds wrote the same bytes.
 as a resume does) and times zstd-3's decompress of the same bytes: a second table, and whether
 both builds restored the same tensors, bit for bit.
 
+``--search`` also saves each repetition's states into a second chain with the config search
+(``speed.search_model``'s GPT and validation loss, threshold 0.01): a table of the search's own
+time at the steady checkpoints (2 onwards: the neighbourhood search), the searched save less its
+eval_fn calls less the same repetition's fixed save of that checkpoint, against that fixed save
+(issue 15's "<= 1x a fixed-config save beyond eval_fn"), and whether both builds restored the
+same tensors from the searched chain.
+
 Run:  .venv/bin/python bench/ab.py 9d5692e                     (dynaquant, 40 repetitions)
       .venv/bin/python bench/ab.py 2e0d380 --restore --reps 20
       .venv/bin/python bench/ab.py HEAD~3 --method lossless --reps 30
       .venv/bin/python bench/ab.py d89f8b4 --width 32 --layers 48 --reps 10   (a deep, narrow GPT)
+      .venv/bin/python bench/ab.py HEAD~2 --search --reps 30
 """
 from __future__ import annotations
 
@@ -43,10 +51,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def worker(src: str, states_path: str, method: str, restore: str = "0") -> None:
+def worker(src: str, states_path: str, method: str, restore: str = "0", search: str = "0") -> None:
     """One build: a line "go <rep>" on stdin -> one JSON line (save seconds per checkpoint, zstd-3's,
     the files' SHA-256; with ``restore`` "1" the restore of every step, zstd-3's decompress and the
-    restored tensors' SHA-256) on stdout."""
+    restored tensors' SHA-256; with ``search`` "1" the searched saves less their eval_fn seconds
+    and the searched chain's restored tensors' SHA-256) on stdout."""
     sys.path.insert(0, src)
     sys.path.insert(1, HERE)
     torch.set_num_threads(1)
@@ -55,7 +64,10 @@ def worker(src: str, states_path: str, method: str, restore: str = "0") -> None:
 
     import speed
     from ckptzip.chain import CheckpointChain
+    from ckptzip.methods.base import EncodeContext
 
+    if search == "1":
+        model, eval_fn, spent = speed.search_model()
     states = torch.load(states_path, weights_only=False)
     raws = [speed.raw_bytes(s) for s in states]
     cz, fs = zstandard.ZstdCompressor(level=speed.ZSTD_LEVEL), fsspec.filesystem("memory")
@@ -81,6 +93,17 @@ def worker(src: str, states_path: str, method: str, restore: str = "0") -> None:
                 digests.append(speed.tensors_digest(got))
             out["restored"] = digests
         fs.rm(url[len("memory://"):], recursive=True)
+        if search == "1":
+            ch = CheckpointChain(url, method)
+            out["searched"] = []
+            for i, s in enumerate(states):
+                model.load_state_dict(s["model"])
+                spent[0] = 0.0
+                t = time.thread_time()
+                ch.save(s, i + 1, ctx=EncodeContext(step=i + 1, model=model, eval_fn=eval_fn, threshold=0.01))
+                out["searched"].append(time.thread_time() - t - spent[0])
+            out["searched_restored"] = [speed.tensors_digest(ch.restore(i + 1).state) for i in range(len(states))]
+            fs.rm(url[len("memory://"):], recursive=True)
         out["zstd"], out["unzstd"] = [], []
         for r in raws:
             t = time.thread_time()
@@ -93,11 +116,12 @@ def worker(src: str, states_path: str, method: str, restore: str = "0") -> None:
         print(json.dumps(out), flush=True)
 
 
-def start(src: str, states_path: str, method: str, cache: str, restore: bool) -> subprocess.Popen:
+def start(src: str, states_path: str, method: str, cache: str, restore: bool, search: bool) -> subprocess.Popen:
     # each worker compiles its kernels into a fresh numba cache, so both start alike (one on the
     # checkout's cache beside one that compiled gave an A/A test of 0.905x: docs/BENCHMARKS.md)
     env = dict(os.environ, NUMBA_CACHE_DIR=cache)
-    p = subprocess.Popen([sys.executable, __file__, "--worker", src, states_path, method, str(int(restore))],
+    p = subprocess.Popen([sys.executable, __file__, "--worker", src, states_path, method, str(int(restore)),
+                          str(int(search))],
                          stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True, env=env)
     if p.stdout.readline().strip() != "ready":
@@ -116,7 +140,7 @@ def ask(p: subprocess.Popen, rep: int) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        return worker(*sys.argv[2:6])
+        return worker(*sys.argv[2:7])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rev", help="the other build: a commit of this repository")
     ap.add_argument("--method", default="dynaquant")
@@ -127,6 +151,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="the GPT's n_layer (48 with --width 32: bench/record_cost.py's "
                     "deep, narrow GPT of ~2,300 records)")
     ap.add_argument("--restore", action="store_true", help="also restore every step, paired the same way")
+    ap.add_argument("--search", action="store_true", help="also save with the config search, paired the same way")
     args = ap.parse_args()
     sys.path.insert(0, HERE)
     import speed
@@ -140,9 +165,9 @@ def main() -> None:
             torch.save(speed.small_states(args.small_n, args.small_every, n_embd=args.width, n_layer=args.layers),
                        states_path)
             builds = {args.rev: start(os.path.join(other, "src"), states_path, args.method, os.path.join(tmp, "nb1"),
-                                      args.restore),
+                                      args.restore, args.search),
                       "this": start(os.path.join(ROOT, "src"), states_path, args.method, os.path.join(tmp, "nb2"),
-                                    args.restore)}
+                                    args.restore, args.search)}
             runs: dict[str, list[dict]] = {b: [] for b in builds}
             files = {}
             for rep in range(args.reps + 1):  # repetition 0 warms both up (numba's cache, first touches)
@@ -151,7 +176,7 @@ def main() -> None:
                     if rep:
                         runs[b].append(r)
                     else:
-                        files[b] = (r["files"], r.get("restored"))
+                        files[b] = (r["files"], r.get("restored"), r.get("searched_restored"))
             for p in builds.values():
                 p.stdin.close()
                 p.wait()
@@ -182,6 +207,30 @@ def report(args, runs: dict, files: dict) -> None:
           f"{b} takes {ratio:.3f}x the time of {a}")
     if "restore" in ra[0]:
         restores(a, ra, b, rb, files[a][1] == files[b][1])
+    if "searched" in ra[0]:
+        searches(a, ra, b, rb, files[a][2] == files[b][2])
+
+
+def searches(a: str, ra: list[dict], b: str, rb: list[dict], same: bool) -> None:
+    """The search's own time at the steady checkpoints: the searched save less its eval_fn calls
+    less the same repetition's fixed save of the checkpoint."""
+    for r in ra + rb:
+        r["own"] = [s - f for s, f in zip(r["searched"][1:], r["save"][1:])]
+        r["fixed"] = r["save"][1:]
+    n = len(ra[0]["own"])
+    ms = lambda xs: 1e3 * sum(xs) / n  # noqa: E731 (seconds of the steady checkpoints -> ms a checkpoint)
+    print(f"\n#### The config search beyond eval_fn, steady checkpoints 2-{n + 1}, the same repetitions\n\n"
+          f"same tensors restored from the searched chains: {same}\n")
+    print("| build | search beyond eval_fn, mean ms | median | fixed save, mean ms | x fixed save (means) | "
+          "per repetition: median [min, max] |")
+    print("|---|---|---|---|---|---|")
+    for name, rs in ((a, ra), (b, rb)):
+        o, f = [ms(r["own"]) for r in rs], [ms(r["fixed"]) for r in rs]
+        per = sorted(x / y for x, y in zip(o, f))
+        print(f"| {name} | {statistics.mean(o):.2f} | {statistics.median(o):.2f} | {statistics.mean(f):.2f} | "
+              f"{statistics.mean(o) / statistics.mean(f):.2f}x | {statistics.median(per):.2f}x [{per[0]:.2f}, {per[-1]:.2f}] |")
+    d, se, ratio = paired(ra, rb, "own", ms)
+    print(f"\n{a} - {b}, paired: {d:.2f} +- {se:.2f} ms a steady search; {b}'s takes {ratio:.3f}x the time of {a}'s")
 
 
 def restores(a: str, ra: list[dict], b: str, rb: list[dict], same: bool) -> None:

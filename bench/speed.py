@@ -400,14 +400,11 @@ def checksums(args, states: list[dict]) -> None:
     print(md_table(["checksum", "format version", "save x zstd-3"], rows))
 
 
-def search(args, states: list[dict], *, big: bool = False) -> None:
-    """The config search's cost beyond eval_fn, against a fixed-config save: the small chain, or
-    (``big``) the GPT-2 124M pair."""
-    from compare import md_table
+def search_model(big: bool = False):
+    """(model, eval_fn, spent) of the search benchmarks: the small chain's GPT (two batches of 16
+    held-out 64-byte windows) or (``big``) GPT-2 124M (one 64-token batch); eval_fn adds its
+    thread CPU time to ``spent[0]``."""
     from transformers import GPT2Config, GPT2LMHeadModel
-
-    from ckptzip.chain import CheckpointChain
-    from ckptzip.methods.base import EncodeContext
 
     g = torch.Generator().manual_seed(7)
     if big:  # one batch of 64 byte-pair tokens, as gpt2_states maps the text
@@ -430,6 +427,19 @@ def search(args, states: list[dict], *, big: bool = False) -> None:
         m.train(was)
         spent[0] += time.thread_time() - t
         return out
+
+    return model, eval_fn, spent
+
+
+def search(args, states: list[dict], *, big: bool = False) -> None:
+    """The config search's cost beyond eval_fn, against a fixed-config save: the small chain, or
+    (``big``) the GPT-2 124M pair."""
+    from compare import md_table
+
+    from ckptzip.chain import CheckpointChain
+    from ckptzip.methods.base import EncodeContext
+
+    model, eval_fn, spent = search_model(big)
 
     def ctx(i, searching):
         return EncodeContext(step=i + 1, model=model, eval_fn=eval_fn, threshold=args.threshold) if searching else None
