@@ -33,9 +33,10 @@ Also:
   checksums  lossless saves of the small chain with each blob checksum (format.CHECKSUMS), side by
           side in one process, each rep interleaved with zstd-3 over the same bytes.
   search  dynaquant with the config search on the small chain (the workload's validation loss,
-          --threshold): search seconds beyond the eval_fn calls vs the fixed-config save, and the
-          evaluations per steady-state checkpoint.
-  search-gpt2  the same on the gpt2 pair (eval_fn: the loss of one 64-token batch).
+          --threshold): search seconds beyond the eval_fn calls vs the fixed-config save of the
+          same checkpoint, saved in turn; --reps fresh pairs of chains, medians per checkpoint and
+          the steady checkpoints' ratio per repetition; the evaluations per steady-state checkpoint.
+  search-gpt2  the same on the gpt2 pair (eval_fn: the loss of one 64-token batch), one repetition.
 
 Timings on the shared 2-core development machine are noisy (other jobs; torch suffers more than
 zstd); the figures in docs/BENCHMARKS.md are to be re-run on a quiet machine.
@@ -457,24 +458,40 @@ def search(args, states: list[dict], *, big: bool = False) -> None:
             model.load_state_dict(s["model"])
             warm.save(s, i + 1, ctx=ctx(i, searching))
     del warm
-    fixed = CheckpointChain("memory://speed-fixed", "dynaquant")
-    searched = CheckpointChain("memory://speed-search", "dynaquant")
-    rows, evals = [], []
-    for i, s in enumerate(states):
-        model.load_state_dict(s["model"])
-        t_fixed, _ = timed_save(fixed, i, s, False)
-        spent[0] = 0.0
-        t_search, e = timed_save(searched, i, s, True)
-        sm = e.summary
-        beyond = t_search - spent[0] - t_fixed
-        if i:
-            evals.append(sm["evals"])
-        rows.append([i + 1, sm["search"], sm["evals"], sm.get("estimates", 0), f"{spent[0]:.2f}",
-                     f"{t_fixed:.3f}", f"{beyond:.3f}", f"{beyond / t_fixed:.2f}"])
+    reps = 1 if big else args.reps
+    fixed_s, beyond_s, rows, evals = [], [], [], []
+    for rep in range(reps):  # each repetition: a fresh pair of chains, checkpoint by checkpoint in turn
+        fixed = CheckpointChain(f"memory://speed-fixed-{rep}", "dynaquant")
+        searched = CheckpointChain(f"memory://speed-search-{rep}", "dynaquant")
+        fixed_s.append([])
+        beyond_s.append([])
+        for i, s in enumerate(states):
+            model.load_state_dict(s["model"])
+            t_fixed, _ = timed_save(fixed, i, s, False)
+            spent[0] = 0.0
+            t_search, e = timed_save(searched, i, s, True)
+            fixed_s[-1].append(t_fixed)
+            beyond_s[-1].append(t_search - spent[0] - t_fixed)
+            if rep == 0:
+                sm = e.summary
+                if i:
+                    evals.append(sm["evals"])
+                rows.append([i + 1, sm["search"], sm["evals"], sm.get("estimates", 0), f"{spent[0]:.2f}"])
+        del fixed, searched
+    for i, row in enumerate(rows):
+        f = statistics.median(r[i] for r in fixed_s)
+        b = statistics.median(r[i] for r in beyond_s)
+        per = [r[i] / q[i] for r, q in zip(beyond_s, fixed_s)]
+        row += [f"{f:.3f}", f"{b:.3f}", f"{b / f:.2f}" + (f" [{min(per):.2f}, {max(per):.2f}]" if reps > 1 else "")]
     where = "the GPT-2 124M pair" if big else "the small chain"
-    print(f"\n### Config search on {where} (threshold {args.threshold}, val loss eval_fn)\n")
+    print(f"\n### Config search on {where} (threshold {args.threshold}, val loss eval_fn; "
+          f"medians [min, max] over {reps} repetition(s))\n")
     print(md_table(["ckpt", "search", "evals", "estimates", "eval_fn s", "fixed save s", "search s beyond eval_fn",
                     "x fixed save"], rows))
+    if len(states) > 1:
+        steady = [sum(b[1:]) / sum(f[1:]) for b, f in zip(beyond_s, fixed_s)]
+        print(f"\nsteady checkpoints, search beyond eval_fn over the fixed saves: median {statistics.median(steady):.2f}x "
+              f"[{min(steady):.2f}, {max(steady):.2f}] over the repetitions")
     if evals:
         dist = {k: evals.count(k) for k in sorted(set(evals))}
         print(f"\nsteady-state evaluations per checkpoint: mean {statistics.mean(evals):.2f}, distribution {dist}")
