@@ -238,6 +238,18 @@ if HAVE_NUMBA:
         f = np.uint32(bits & 0x7FFFFFFF) >> np.uint32(shift)
         return ((key[f] + (abs(v) > bound[f])) << 1) | ((bits >> 31) & 1)
 
+    @_numba.njit(cache=True, nogil=True, inline="always")
+    def fold_block(bits, vals, a, m, shift, key, bound, M, block):  # pragma: no cover - compiled
+        """``bucket_fold`` of values a .. a + m - 1 into ``block``; (their least, their greatest):
+        the least is negative where one is inf/NaN. Branch-free: the loop vectorizes."""
+        blo, bhi = np.int32(2 * M + 1), np.int32(0)
+        for t in range(m):
+            j = bucket_fold(bits[a + t], vals[a + t], shift, key, bound)
+            block[t] = j
+            blo = min(blo, j)
+            bhi = max(bhi, j)
+        return blo, bhi
+
     @_numba.njit(cache=True, nogil=True)
     def _hist_kernel(bits, vals, offsets, shift, key, bound, M, signed, absolute, ords, counts, ptr,
                      a_ords, a_counts, a_ptr):  # pragma: no cover
@@ -257,12 +269,7 @@ if HAVE_NUMBA:
             lo, hi = 2 * M + 1, 0
             while a < e:
                 m = min(e - a, np.uint64(_BLOCK))
-                blo, bhi = np.int32(2 * M + 1), np.int32(0)
-                for t in range(m):
-                    j = bucket_fold(bits[a + t], vals[a + t], shift, key, bound)
-                    block[t] = j
-                    blo = min(blo, j)
-                    bhi = max(bhi, j)
+                blo, bhi = fold_block(bits, vals, a, m, shift, key, bound, M, block)
                 if blo < 0:  # inf/NaN
                     return s
                 for t in range(m):
@@ -328,4 +335,4 @@ if HAVE_NUMBA:
         return np.int64(u)
 
 else:  # pragma: no cover
-    bucket_ordinal = bucket_fold = fold_rows = emit_counts = _ordinals_kernel = _hist_kernel = None
+    bucket_ordinal = bucket_fold = fold_block = fold_rows = emit_counts = _ordinals_kernel = _hist_kernel = None

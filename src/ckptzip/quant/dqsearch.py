@@ -37,7 +37,7 @@ from .levels import histogram_centers, level_bounds
 if HAVE_NUMBA:
     import numba as _numba
 
-    from ..logbuckets import _BLOCK, bucket_fold, emit_counts
+    from ..logbuckets import _BLOCK, emit_counts, fold_block
 
 __all__ = ["SearchSketch", "joint_counts", "joint_counts_reference"]
 
@@ -366,8 +366,8 @@ if HAVE_NUMBA:
         """Counts per segment with reference codes by (previous code, folded bucket), then its
         non-zero cells as (row, code, bucket index, count) columns of ``out``, in (code, bucket
         index) order. Returns the number written, or -1 - s where segment s holds inf/NaN.
-        A block's buckets first, branch-free (``bucket_fold``: the loop vectorizes), then its
-        counts, as the sketch pass's ``_hist_kernel``; buckets become bucket indices only per
+        A block's buckets first, branch-free (``fold_block``), then its counts, as the sketch
+        pass's ``_hist_kernel``; buckets become bucket indices only per
         non-zero cell (``emit_counts``, then the row's map)."""
         W = 2 * M + 2
         d = np.zeros((L, W), dtype=np.int64)
@@ -382,12 +382,7 @@ if HAVE_NUMBA:
             lo_f, hi_f, top = 2 * M + 1, 0, 0
             while a < e:
                 m = min(e - a, _BLOCK)
-                blo, bhi = np.int32(2 * M + 1), np.int32(0)
-                for t in range(m):
-                    j = bucket_fold(bits[a + t], x[a + t], shift, key, bound)
-                    block[t] = j
-                    blo = min(blo, j)
-                    bhi = max(bhi, j)
+                blo, bhi = fold_block(bits, x, a, m, shift, key, bound, M, block)
                 if blo < 0:
                     return -1 - s
                 for t in range(m):
