@@ -113,7 +113,7 @@ def test_a_batch_takes_the_threads_spare_buffer_and_never_shares_it(snap, monkey
     assert getattr(dqbatch._spare, "buf", None) is None
 
 
-def test_search_sketch_quantizes_exactly_and_estimates_closely(snap):
+def test_search_sketch_quantizes_exactly_and_estimates_closely(snap, monkeypatch):
     from ckptzip.methods import qrecord
     from ckptzip.logbuckets import HAVE_NUMBA
     from ckptzip.quant.dqsearch import SearchSketch, joint_counts, joint_counts_reference
@@ -139,7 +139,15 @@ def test_search_sketch_quantizes_exactly_and_estimates_closely(snap):
     fast, slow = joint_counts(sk, rows, ref), joint_counts_reference(sk, rows, ref)
     key = lambda j: torch.sort(j[0] * 10**9 + j[1] * 10**6 + j[2]).indices  # noqa: E731
     assert all(torch.equal(f[key(fast)], s[key(slow)]) for f, s in zip(fast, slow))
+    monkeypatch.setattr(dqbatch, "CHUNK", 3000)  # several chunks: one count table, zero again after each
+    sk = Sketched(specs, base)
+    assert len(sk.chunks) > 2
+    rows = {n: r[2] for n, r in sk.rows().items()}
+    fast, slow = joint_counts(sk, rows, ref), joint_counts_reference(sk, rows, ref)
+    assert all(torch.equal(f[key(fast)], s[key(slow)]) for f, s in zip(fast, slow))
     if HAVE_NUMBA:  # a NaN after the sketch pass: named, no count written
+        sk = Sketched({n: (t.clone(), lt, role) for n, (t, lt, role) in specs.items()}, base)  # a chunk may be the tensor
+        rows = {n: r[2] for n, r in sk.rows().items()}
         c = sk.chunks[0]
         i = next(i for i, n in enumerate(c.names) if n in ref)
         c.x[c.seg(i).start + 5] = float("nan")

@@ -286,17 +286,20 @@ def joint_counts(sk: Sketched, signed_rows: Mapping[str, tuple], reference: Mapp
     M = int(t.key.max())
     index = {n: i for i, n in enumerate(sk.order)}
     parts = []
+    d = np.zeros((0, 2 * M + 2), dtype=np.int64)  # the count table, all zero between segments: one for every chunk
     for c in sk.chunks:
         prev, L, rows, lo, maps = _chunk_refs(c, signed_rows, reference, index)
         if prev is None:
             continue
+        if d.shape[0] < L:
+            d = np.zeros((L, 2 * M + 2), dtype=np.int64)
         x = c.x.numpy()
         cap = int(sum(min(c.offsets[i + 1] - c.offsets[i], L * (m.size)) for i, m in enumerate(maps) if m is not None))
         out = np.empty((4, cap), dtype=np.int64)
         lut = np.concatenate([m if m is not None else np.zeros(0, np.int32) for m in maps]).astype(np.int32)
         lut_off = np.concatenate([[0], np.cumsum([m.size if m is not None else 0 for m in maps])]).astype(np.int64)
         n = _joint_kernel(x.view(np.int32), x, prev, c.offsets, np.array(rows, np.int64), np.array(lo, np.int64),
-                          lut, lut_off, L, M, t.shift, t.key, t.bound, out)
+                          lut, lut_off, M, t.shift, t.key, t.bound, d, out)
         if n < 0:  # the sketch pass raises first; kept so that no count is ever written out of range
             raise_nonfinite(c.x[c.seg(-1 - n)], c.names[-1 - n])
         parts.append(torch.from_numpy(out[:, :n].copy()))
@@ -361,16 +364,16 @@ def joint_counts_reference(sk: Sketched, signed_rows: Mapping[str, tuple], refer
 
 if HAVE_NUMBA:
     @_numba.njit(cache=True, nogil=True)
-    def _joint_kernel(bits, x, prev, offsets, rows, lo, lut, lut_off, L, M, shift, key, bound,
+    def _joint_kernel(bits, x, prev, offsets, rows, lo, lut, lut_off, M, shift, key, bound, d,
                       out):  # pragma: no cover - compiled
-        """Counts per segment with reference codes by (previous code, folded bucket), then its
-        non-zero cells as (row, code, bucket index, count) columns of ``out``, in (code, bucket
-        index) order. Returns the number written, or -1 - s where segment s holds inf/NaN.
-        A block's buckets first, branch-free (``fold_block``), then its counts, as the sketch
-        pass's ``_hist_kernel``; buckets become bucket indices only per
-        non-zero cell (``emit_counts``, then the row's map)."""
+        """Counts per segment with reference codes by (previous code, folded bucket) in ``d`` (a
+        row per code, zero on entry and on return), then its non-zero cells as (row, code, bucket
+        index, count) columns of ``out``, in (code, bucket index) order. Returns the number
+        written, or -1 - s where segment s holds inf/NaN. A block's buckets first, branch-free
+        (``fold_block``), then its counts, as the sketch pass's ``_hist_kernel``; buckets become
+        bucket indices only per non-zero cell (``emit_counts``, which zeroes what it read, then
+        the row's map)."""
         W = 2 * M + 2
-        d = np.zeros((L, W), dtype=np.int64)
         block = np.empty(_BLOCK, np.int32)
         ords = np.empty(W + 1, np.int64)
         counts = np.empty(W + 1, np.int64)
