@@ -127,7 +127,7 @@ class SearchSketch:
                 est = [e + (t - const["joint"]) for e, t in zip(est, terms)]
             else:                             # n H(delta), delta = (new - prev) mod B
                 Bmax = max(L, Lp)
-                B = torch.maximum(k[slot] + 2, self._prev_levels_row)                # (C, R)
+                B = torch.maximum(k[slot] + 2, const["prev_levels"])                 # (C, R)
                 terms = _neg_clogc_rows(r * Bmax + torch.remainder(new - p, B[:, r]), c, R * Bmax)
                 est = [e + (const["joint"] + t) for e, t in zip(est, terms)]
         rr = const["keyrows"]
@@ -139,7 +139,8 @@ class SearchSketch:
 
     def _constant_terms(self) -> dict:
         """The parts of ``_entropies`` that no candidate changes, computed once: the rows coded
-        without reference codes, their counts' n log n, and the reference codes' own term."""
+        without reference codes, their counts' n log n, the reference codes' own term (and, for
+        ``"delta"``, each row's previous level count)."""
         if self._const is None:
             R = len(self.names)
             keyrows = torch.ones(R, dtype=torch.bool)
@@ -151,7 +152,7 @@ class SearchSketch:
                     const["joint"] = _neg_clogc(r * Lp + p, c, R * Lp)
                 else:
                     const["joint"] = _nlogn(torch.bincount(r, weights=c.double(), minlength=R))
-                    self._prev_levels_row = torch.tensor([self.prev_levels.get(n, 0) for n in self.names])
+                    const["prev_levels"] = torch.tensor([self.prev_levels.get(n, 0) for n in self.names])
                 keyrows[torch.unique(r)] = False
             const["keyrows"] = rr = torch.arange(R)[keyrows]
             const["key"] = _nlogn(self.counts[rr].sum(1).double()) if rr.numel() else 0.0
