@@ -123,17 +123,17 @@ class SearchSketch:
             new = codes[slot[:, r], b]                                          # (C, cells)
             Lp = max(self.prev_levels.values())
             if self.coding == "conditional":  # n H(code | prev) = sum_p c_p log c_p - sum c log c
-                terms = _neg_clogc_rows(r * (Lp * L) + p * L + new, c, R * Lp * L)
+                terms = _neg_clogc(r * (Lp * L) + p * L + new, c, R * Lp * L)
                 est = [e + (t - const["joint"]) for e, t in zip(est, terms)]
             else:                             # n H(delta), delta = (new - prev) mod B
                 Bmax = max(L, Lp)
                 B = torch.maximum(k[slot] + 2, const["prev_levels"])                 # (C, R)
-                terms = _neg_clogc_rows(r * Bmax + torch.remainder(new - p, B[:, r]), c, R * Bmax)
+                terms = _neg_clogc(r * Bmax + torch.remainder(new - p, B[:, r]), c, R * Bmax)
                 est = [e + (const["joint"] + t) for e, t in zip(est, terms)]
         rr = const["keyrows"]
         if rr.numel():                        # n H(codes)
-            terms = _neg_clogc_rows((rr[:, None] * L + codes[slot[:, rr]]).reshape(len(est), -1),
-                                    self.counts[rr].reshape(-1), R * L)
+            terms = _neg_clogc((rr[:, None] * L + codes[slot[:, rr]]).reshape(len(est), -1),
+                               self.counts[rr].reshape(-1), R * L)
             est = [e + (const["key"] + t) for e, t in zip(est, terms)]
         return est
 
@@ -149,7 +149,7 @@ class SearchSketch:
                 r, p, b, c = self.joint
                 Lp = max(self.prev_levels.values())
                 if self.coding == "conditional":
-                    const["joint"] = _neg_clogc(r * Lp + p, c, R * Lp)
+                    const["joint"] = _neg_clogc((r * Lp + p)[None], c, R * Lp)[0]
                 else:
                     const["joint"] = _nlogn(torch.bincount(r, weights=c.double(), minlength=R))
                     const["prev_levels"] = torch.tensor([self.prev_levels.get(n, 0) for n in self.names])
@@ -241,21 +241,11 @@ def _fit_key(cfg: dq.DynaQuantConfig) -> tuple:
 DENSE_CELLS = 1 << 22
 
 
-def _neg_clogc(cells: torch.Tensor, counts: torch.Tensor, size: int) -> float:
-    """-sum c log2 c over the cells of ``counts`` binned by ``cells`` (in cell order either way; the
-    counts are integers, so their float sums are exact whatever the order)."""
-    if size > DENSE_CELLS:
-        present, at = torch.unique(cells, return_inverse=True)
-        c = torch.zeros(present.numel(), dtype=torch.float64).index_add_(0, at, counts.to(torch.float64))
-    else:
-        c = torch.bincount(cells, weights=counts.to(torch.float64), minlength=size)
-    c = c[c > 0]
-    return float(-(c * torch.log2(c)).sum())
-
-
-def _neg_clogc_rows(cells: torch.Tensor, counts: torch.Tensor, size: int) -> list[float]:
-    """``_neg_clogc`` of each row of ``cells`` (C, n) against the same ``counts`` (n,), binned in
-    one pass; each row's figure is the one ``_neg_clogc`` gives it alone (its cells in cell order)."""
+def _neg_clogc(cells: torch.Tensor, counts: torch.Tensor, size: int) -> list[float]:
+    """-sum c log2 c over the cells of ``counts`` (n,) binned by each row of ``cells`` (C, n), all
+    rows in one pass. A row's cells are summed in cell order either way (a dense table, or a sort
+    of the cells present): the counts are integers, so the bins are exact, and a row's figure is
+    the one it gives alone."""
     C = cells.shape[0]
     at = cells + size * torch.arange(C)[:, None]
     w = counts.to(torch.float64).repeat(C)
@@ -314,21 +304,13 @@ def _chunk_refs(c: Chunk, signed_rows, reference, index):
     """The previous codes of a chunk's segments, packed (unset in segments without: row -1), one
     more than the largest, and per segment: row index, lowest ordinal, and the ordinal -> bucket
     index map of its row."""
-    refs = {}
-    for i, n in enumerate(c.names):
-        ref = reference.get(n) if reference else None
-        seg = c.seg(i)
-        if ref is not None and ref.codes.numel() == seg.stop - seg.start and signed_rows[n][0].numel():
-            refs[i] = ref.codes.reshape(-1).numpy()
-    if not refs:
-        return None, 0, [], [], []
-    prev = np.empty(c.x.numel(), dtype=np.result_type(*(a.dtype for a in refs.values())))  # uint8 codes stay uint8
-    L = max(int(a.max()) for a in refs.values() if a.size) + 1
-    rows, lo, maps = [], [], []
+    refs, rows, lo, maps = [], [], [], []  # refs: (segment, its previous codes)
     for i, n in enumerate(c.names):
         ords = signed_rows[n][0]
-        if i in refs:
-            prev[c.seg(i)] = refs[i]
+        ref = reference.get(n) if reference else None
+        seg = c.seg(i)
+        if ref is not None and ref.codes.numel() == seg.stop - seg.start and ords.numel():
+            refs.append((seg, ref.codes.reshape(-1).numpy()))
             o0 = int(ords[0])
             m = np.full(int(ords[-1]) - o0 + 1, -1, dtype=np.int32)
             m[(ords - o0).numpy()] = np.arange(ords.numel(), dtype=np.int32)
@@ -339,7 +321,12 @@ def _chunk_refs(c: Chunk, signed_rows, reference, index):
             rows.append(-1)
             lo.append(0)
             maps.append(None)
-    return prev, L, rows, lo, maps
+    if not refs:
+        return None, 0, rows, lo, maps
+    prev = np.empty(c.x.numel(), dtype=np.result_type(*(a.dtype for _, a in refs)))  # uint8 codes stay uint8
+    for seg, a in refs:
+        prev[seg] = a
+    return prev, max(int(a.max()) for _, a in refs) + 1, rows, lo, maps
 
 
 def joint_counts_reference(sk: Sketched, signed_rows: Mapping[str, tuple], reference: Mapping) -> tuple:
