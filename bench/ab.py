@@ -155,6 +155,8 @@ def main() -> None:
     ap.add_argument("--restore", action="store_true", help="also restore every step, paired the same way")
     ap.add_argument("--search", action="store_true", help="also save with the config search, paired the same way")
     args = ap.parse_args()
+    if args.search and (args.width, args.layers) != (96, 4):
+        ap.error("--search evaluates the small chain's GPT (speed.search_model): drop --width / --layers")
     sys.path.insert(0, HERE)
     import speed
 
