@@ -28,11 +28,17 @@ eval_fn calls less the same repetition's fixed save of that checkpoint, against 
 (issue 15's "<= 1x a fixed-config save beyond eval_fn"), and whether both builds restored the
 same tensors from the searched chain.
 
+Each worker's kernels compile into its own fresh numba cache: in a child process where the build
+has ``jitcache.py`` (the worker then loads them), else in the worker. ``--other-jit inprocess``
+makes the other build's worker compile in its own process (``CKPTZIP_JIT=inprocess``); against
+``HEAD`` it measures what that costs a process's saves.
+
 Run:  .venv/bin/python bench/ab.py 9d5692e                     (dynaquant, 40 repetitions)
       .venv/bin/python bench/ab.py 2e0d380 --restore --reps 20
       .venv/bin/python bench/ab.py HEAD~3 --method lossless --reps 30
       .venv/bin/python bench/ab.py d89f8b4 --width 32 --layers 48 --reps 10   (a deep, narrow GPT)
       .venv/bin/python bench/ab.py HEAD~2 --search --reps 30
+      .venv/bin/python bench/ab.py HEAD --other-jit inprocess --reps 30   (kernels compiled in the worker)
 """
 from __future__ import annotations
 
@@ -118,10 +124,12 @@ def worker(src: str, states_path: str, method: str, restore: str = "0", search: 
         print(json.dumps(out), flush=True)
 
 
-def start(src: str, states_path: str, method: str, cache: str, restore: bool, search: bool) -> subprocess.Popen:
+def start(src: str, states_path: str, method: str, cache: str, restore: bool, search: bool,
+          jit: str | None = None) -> subprocess.Popen:
     # each worker compiles its kernels into a fresh numba cache, so both start alike (one on the
-    # checkout's cache beside one that compiled gave an A/A test of 0.905x: docs/BENCHMARKS.md)
-    env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+    # checkout's cache beside one that compiled gave an A/A test of 0.905x: docs/BENCHMARKS.md;
+    # builds with jitcache.py compile in a child, ``jit="inprocess"`` in the worker itself)
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache, **({"CKPTZIP_JIT": jit} if jit else {}))
     p = subprocess.Popen([sys.executable, __file__, "--worker", src, states_path, method, str(int(restore)),
                           str(int(search))],
                          stdin=subprocess.PIPE,
@@ -154,6 +162,9 @@ def main() -> None:
                     "deep, narrow GPT of ~2,300 records)")
     ap.add_argument("--restore", action="store_true", help="also restore every step, paired the same way")
     ap.add_argument("--search", action="store_true", help="also save with the config search, paired the same way")
+    ap.add_argument("--other-jit", choices=["child", "inprocess"], default=None,
+                    help="CKPTZIP_JIT for the other build's worker (with HEAD as the other build, inprocess "
+                         "measures what compiling the kernels in the training process costs)")
     args = ap.parse_args()
     if args.search and (args.width, args.layers) != (96, 4):
         ap.error("--search evaluates the small chain's GPT (speed.search_model): drop --width / --layers")
@@ -169,7 +180,7 @@ def main() -> None:
             torch.save(speed.small_states(args.small_n, args.small_every, n_embd=args.width, n_layer=args.layers),
                        states_path)
             builds = {args.rev: start(os.path.join(other, "src"), states_path, args.method, os.path.join(tmp, "nb1"),
-                                      args.restore, args.search),
+                                      args.restore, args.search, args.other_jit),
                       "this": start(os.path.join(ROOT, "src"), states_path, args.method, os.path.join(tmp, "nb2"),
                                     args.restore, args.search)}
             runs: dict[str, list[dict]] = {b: [] for b in builds}

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import jitcache
 from .codec.stages import check_pipeline
 from .configcheck import OneOf, Range, check_args
 from .errors import (ChainBusyError, CorruptCheckpointError, IncompleteCheckpointError, StepNotFoundError,
@@ -99,6 +100,7 @@ class CheckpointChain:
         self._index: Index | None = None
         self._ref: Reference | None = None          # what the next save encodes against
         self._ref_version: str | None = None        # the index version the reference belongs to
+        jitcache.prepare(self.method.name)          # numba's kernels compile in a child meanwhile
 
     # --- index ----------------------------------------------------------------------------
     def entries(self, *, refresh: bool = False) -> list[Entry]:
@@ -166,6 +168,7 @@ class CheckpointChain:
              optimizer: torch.optim.Optimizer | None = None, ctx: EncodeContext | None = None) -> Entry:
         """Encode and commit one checkpoint. Returns its index entry."""
         step = int(step)
+        jitcache.ready(self.method.name)
         flat = on_host(state if isinstance(state, FlatState) else
                        flatten_state(state, model, optimizer, step_records=self.method.step_records))
         failure = _StorageContext(f"saving step {step} to {self.url} failed")
@@ -286,7 +289,9 @@ class CheckpointChain:
     def restore(self, step: int | None = None, *, device: str | torch.device = "cpu") -> Restored:
         for attempt in range(READ_ATTEMPTS):
             base = self._load_index()
-            target = self.entry(step).step
+            target = self.entry(step)
+            jitcache.ready(target.method)
+            target = target.step
             try:
                 (flat, manifest), ref = self._replay(target, base.entries)
                 break

@@ -309,6 +309,30 @@ def methods() -> None:
 
 
 @app.command()
+def jit(
+    method: Annotated[list[str], typer.Argument(help="methods whose kernels to compile [default: dynaquant lossless]")] = [],
+) -> None:
+    """Compile the methods' numba kernels into numba's disk cache now (e.g. while building an
+    image), in a child process as a chain's first save would."""
+    from . import jitcache
+    from .methods.base import method_class
+
+    names = method or ["dynaquant", "lossless"]
+    with _bad_input():
+        for name in names:
+            method_class(name)  # an unknown method: its one-line error here, not the child's
+    if not jitcache.enabled():
+        typer.echo(f"nothing to compile: numba is not installed, or {jitcache.ENV}=inprocess / NUMBA_DISABLE_JIT=1")
+        return
+    jitcache.compile_kernels(names)
+    missing = [n for n in names if not os.path.exists(jitcache.stamp_path(n))]
+    if missing:
+        typer.echo(f"error: the compile child failed for {', '.join(missing)} (its last line is above)", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"compiled into {jitcache.cache_dir()}: {', '.join(names)}")
+
+
+@app.command()
 def demo(
     workload: Annotated[list[str], typer.Option("--workload", "-w", help="digits, gpt2, minilm (repeatable)")] = [],
     methods: Annotated[str, typer.Option("--methods", "-m", help="comma-separated methods")] = "",

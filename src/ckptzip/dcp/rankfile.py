@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import zstandard
 
+from .. import jitcache
 from ..errors import CorruptCheckpointError, malformed
 from ..format import decode_container, encode_container, header_sha256, sha256
 from ..methods.base import DecodeContext, Encoded, Method, method_for_file
@@ -188,6 +189,7 @@ def _replay(root: Root, step: int, rank: int, sha, device, methods: dict, only, 
             key = m["method"] + json.dumps(m.get("config", {}), sort_keys=True)
             if key not in methods:
                 methods[key] = method_for_file(m["method"], m.get("config"))
+                jitcache.ready(m["method"])
             wanted = m["records"] if only is None else {n: r for n, r in m["records"].items() if n in only}
             records = {n: TensorRecord.from_dict(n, r) for n, r in wanted.items()}
             enc = Encoded(records={n: {"pipeline": r["pipeline"], "meta": r.get("meta", {}), "blobs": r["blobs"]}

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..chain import KeyframePolicy, RetentionPolicy
+from .. import jitcache
 from ..configcheck import Range, check_args
 from ..errors import ConfigError, StepOrderError
 from ..methods.base import EncodeContext, Method, get_method
@@ -70,6 +71,7 @@ class CompressedWriter(StorageWriter):
         self.root = Root(root, storage_options)
         self.step = step
         self.method = method if isinstance(method, Method) else get_method(method, config)
+        jitcache.prepare(self.method.name)  # numba's kernels compile in a child meanwhile
         self.keyframe = keyframe or KeyframePolicy()
         self.retention = retention or RetentionPolicy()
         self.model, self.eval_fn = model, eval_fn
@@ -105,6 +107,7 @@ class CompressedWriter(StorageWriter):
         world = group.size() if group is not None else 1
         shared = set(plan.storage_data.get("shared", [])) if isinstance(plan.storage_data, dict) else set()
         items = [it for it in plan.items if it.index not in shared]
+        jitcache.ready(self.method.name)
         shard, ref, mem = merge.guarded(lambda: self._prepare(items, planner, world), group, "preparing the save")
         method, search_info = self._search(shard, ref, group)
         ctx = EncodeContext(step=self.step)

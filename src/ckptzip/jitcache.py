@@ -1,0 +1,206 @@
+"""numba's kernels compiled in a child process; this process loads them from numba's disk cache.
+
+numba compiles a kernel at its first call and keeps the machine code on disk (``cache=True``):
+a dynaquant save and restore compile for ~50 s on a cold cache, and a later process loads the same
+code in ~1.6 s. A process that compiled its kernels itself also keeps LLVM's state (~0.5 GB) and
+saves ~1.1x slower for the rest of its life than one that loaded them (paired against each other,
+docs/BENCHMARKS.md "Kernels compiled in a child process"). So a chain's first save or restore
+waits for a child, ``python -m ckptzip.jitcache METHOD``, that saves and restores a small training
+state with the method (compiling what the cache lacks), and then loads every kernel from the
+cache. CheckpointChain starts the child when it is made, so a run trains beside the compile; a
+stamp file in numba's cache folder, named by a hash of this package's sources, numba, Python and
+the CPU, says the child already ran and costs one stat.
+
+    prepare("dynaquant")     # start the child in the background (nothing if stamped or started)
+    ready("dynaquant")       # wait for it (starting it if needed); then the kernels load
+    compile_kernels(["dynaquant", "lossless"])   # both, blocking (the demo, ``ckptzip jit``)
+
+The child's failure or timeout is never the save's: a warning, and the kernels compile here as
+before. ``CKPTZIP_JIT=inprocess`` skips the child (numba-less hosts and ``NUMBA_DISABLE_JIT=1``
+skip it too). Children of several processes (ranks, an engine's agent) take a lock in the cache
+folder: one compiles, the others then load.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import sys
+import threading
+
+__all__ = ["prepare", "ready", "compile_kernels", "enabled", "cache_dir", "stamp_path", "ENV", "TIMEOUT_S"]
+
+ENV = "CKPTZIP_JIT"          # "child" (default) or "inprocess"
+TIMEOUT_S = 1800.0           # a cold compile takes ~50 s on 2 cores; a loaded host several times that
+_STAMP = "ckptzip-jit-"
+_LOCK = "ckptzip-jit.lock"
+_log = logging.getLogger(__name__)
+_guard = threading.Lock()
+_children: dict[str, subprocess.Popen | None] = {}  # method -> its child (None: nothing to wait for)
+
+
+def _method(name: str) -> str:
+    return name.split("/", 1)[0]  # a descriptor ("dynaquant/2") names its method before the slash
+
+
+def enabled() -> bool:
+    """Whether a chain's kernels compile in a child: numba installed, jitting, not ``CKPTZIP_JIT=inprocess``."""
+    from .codec.huffman import HAVE_NUMBA
+
+    return HAVE_NUMBA and os.environ.get(ENV, "child") != "inprocess" and os.environ.get("NUMBA_DISABLE_JIT") != "1"
+
+
+def cache_dir() -> str:
+    """numba's cache folder for this package (NUMBA_CACHE_DIR's, if set): the stamps and the lock live there."""
+    from .codec.rans import _encode_kernel
+
+    return _encode_kernel.stats.cache_path
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:  # model and flags: numba compiles for the host's features
+            return "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        return platform.processor()
+
+
+def stamp_path(method: str) -> str:
+    """The stamp that says ``method``'s kernels are in numba's cache for these sources."""
+    import numba
+
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256(f"{numba.__version__}|{sys.version}|{platform.machine()}|{_cpu()}".encode())
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if name.endswith(".py"):
+                st = os.stat(os.path.join(folder, name))
+                h.update(f"{os.path.relpath(os.path.join(folder, name), root)}:{st.st_size}:{st.st_mtime_ns}|".encode())
+    return os.path.join(cache_dir(), f"{_STAMP}{_method(method)}-{h.hexdigest()[:16]}")
+
+
+def prepare(method: str) -> None:
+    """Start ``method``'s child in the background unless its stamp is there (once per process)."""
+    name = _method(method)
+    with _guard:
+        if name in _children:
+            return
+        if not enabled() or os.path.exists(stamp_path(name)):
+            _children[name] = None
+            return
+        pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [pkg_parent, os.environ.get("PYTHONPATH")])))
+        try:
+            _children[name] = subprocess.Popen([sys.executable, "-m", "ckptzip.jitcache", name], env=env,
+                                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.PIPE)
+        except OSError as e:
+            _children[name] = None
+            _log.warning("ckptzip: could not start the kernel compile child (%s); compiling in this process", e)
+
+
+def ready(method: str, timeout: float = TIMEOUT_S) -> None:
+    """Wait for ``method``'s child (starting it if :func:`prepare` did not). On its failure or
+    timeout, a warning: the kernels then compile in this process."""
+    name = _method(method)
+    prepare(name)
+    with _guard:
+        child = _children.get(name)
+        if child is None:
+            return
+        try:
+            _, err = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            err = f"no result within {timeout:.0f} s".encode()
+        _children[name] = None
+        if child.returncode:
+            tail = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit code {child.returncode}"]
+            _log.warning("ckptzip: the kernel compile child for %s failed (%s); compiling in this process "
+                         "(set %s=inprocess to skip the child)", name, tail[0], ENV)
+
+
+def compile_kernels(methods) -> None:
+    """:func:`prepare` every method, then :func:`ready` each (their children take turns on the lock)."""
+    for m in methods:
+        prepare(m)
+    for m in methods:
+        ready(m)
+
+
+# --- the child -------------------------------------------------------------------------------
+def _exercise(method: str) -> None:
+    """Save a small training state's keyframe and three deltas with ``method`` (the deltas with the
+    config search: the first exhaustive, the next two in the neighbourhood), then restore every
+    step from a fresh chain object: each kernel a save and a restore call, at the dtypes a float32
+    model with Adam gives them."""
+    import fsspec
+    import torch
+    from torch import nn
+
+    from .chain import CheckpointChain
+    from .methods.base import EncodeContext
+
+    torch.manual_seed(0)
+    # small and large tensors: a stream's codes are packed to uint8 symbols past 2**17 (codec/tuples.py)
+    model = nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 2048), nn.LayerNorm(2048), nn.GELU(),
+                          nn.Linear(2048, 64), nn.Linear(64, 256, bias=False))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (16, 32))
+
+    def loss_of(m: nn.Module) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten())
+
+    def score(m: nn.Module) -> float:
+        with torch.no_grad():
+            return float(loss_of(m))
+
+    root = f"ckptzip-jit-{os.getpid()}"
+    url = f"memory://{root}/{method}"
+    try:
+        chain = CheckpointChain(url, method)
+        for step in (1, 2, 3, 4):
+            for _ in range(3):
+                opt.zero_grad()
+                loss_of(model).backward()
+                opt.step()
+            ctx = EncodeContext(step=step, model=model, eval_fn=score, threshold=0.01) if step > 1 else None
+            chain.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, step,
+                       model=model, optimizer=opt, ctx=ctx)
+        for step in (1, 2, 3, 4):
+            CheckpointChain(url).restore(step)
+    finally:
+        fsspec.filesystem("memory").rm(root, recursive=True)
+
+
+def _child(methods: list[str]) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # beside a training run: the compile is one thread anyway
+    os.environ[ENV] = "inprocess"  # this process is the compile: no child of its own
+    folder = cache_dir()
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, _LOCK), "a") as lock:
+        try:
+            import fcntl
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process's child compiling: wait, then load
+        except ImportError:  # pragma: no cover - no flock (Windows): children may compile side by side
+            pass
+        for method in methods:
+            stamp = stamp_path(method)
+            if os.path.exists(stamp):
+                continue
+            _exercise(method)
+            for old in os.listdir(folder):  # the stamps of sources that changed since
+                if old.rsplit("-", 1)[0] == f"{_STAMP}{method}":  # not "bitsnap-lossless"'s for "bitsnap"
+                    os.remove(os.path.join(folder, old))
+            with open(stamp, "w") as f:
+                f.write("compiled\n")
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])

@@ -1,0 +1,146 @@
+"""numba's kernels compiled in a child process (jitcache.py): the stamp, the fallbacks, and a real
+cold cache from which a GPT chain's saves and restores compile nothing in the training process."""
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ckptzip import jitcache
+from ckptzip.codec.huffman import HAVE_NUMBA
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_numba = pytest.mark.skipif(not HAVE_NUMBA, reason="the child compiles numba's kernels")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No child started or waited for in this process yet, the default mode."""
+    monkeypatch.setattr(jitcache, "_children", {})
+    monkeypatch.delenv(jitcache.ENV, raising=False)
+
+
+def fake_python(tmp_path, body: str) -> str:
+    exe = tmp_path / "python"
+    exe.write_text(f"#!/bin/sh\n{body}\n")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+@needs_numba
+def test_stamp_names_the_method_and_follows_the_sources(tmp_path, monkeypatch):
+    assert jitcache.stamp_path("dynaquant/2") == jitcache.stamp_path("dynaquant") != jitcache.stamp_path("lossless")
+    assert os.path.dirname(jitcache.stamp_path("dynaquant")) == jitcache.cache_dir()
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("x = 1\n")
+    monkeypatch.setattr(jitcache, "__file__", str(pkg / "jitcache.py"))
+    before = jitcache.stamp_path("dynaquant")
+    assert jitcache.stamp_path("dynaquant") == before
+    (pkg / "a.py").write_text("x = 22\n")  # an edited source: the cache may lack its kernels
+    assert jitcache.stamp_path("dynaquant") != before
+
+
+@needs_numba
+def test_inprocess_starts_no_child(fresh, monkeypatch):
+    monkeypatch.setenv(jitcache.ENV, "inprocess")
+    monkeypatch.setattr(jitcache.subprocess, "Popen", lambda *a, **k: pytest.fail("a child was started"))
+    jitcache.prepare("dynaquant")
+    jitcache.ready("dynaquant")
+    assert not jitcache.enabled()
+
+
+@needs_numba
+def test_a_failed_child_warns_and_the_save_goes_on(fresh, tmp_path, monkeypatch, caplog):
+    from ckptzip.chain import CheckpointChain
+    import torch
+
+    monkeypatch.setattr(jitcache, "stamp_path", lambda m: str(tmp_path / f"stamp-{m}"))
+    monkeypatch.setattr(jitcache.sys, "executable", fake_python(tmp_path, "echo 'ImportError: no torch here' >&2; exit 3"))
+    with caplog.at_level(logging.WARNING, logger="ckptzip.jitcache"):
+        chain = CheckpointChain(f"file://{tmp_path}/c", "lossless")
+        chain.save({"w": torch.arange(10.0)}, 1)
+    assert torch.equal(chain.load(1)["w"], torch.arange(10.0))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "ImportError: no torch here" in msgs[0] and "compiling in this process" in msgs[0]
+    chain.save({"w": torch.arange(10.0) + 1}, 2)  # warned once: the child is not retried within a process
+    assert len(caplog.records) == 1
+
+
+@needs_numba
+def test_a_child_past_its_timeout_is_killed(fresh, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(jitcache, "stamp_path", lambda m: str(tmp_path / f"stamp-{m}"))
+    monkeypatch.setattr(jitcache.sys, "executable", fake_python(tmp_path, "exec sleep 60"))
+    jitcache.prepare("lossless")
+    child = jitcache._children["lossless"]
+    with caplog.at_level(logging.WARNING, logger="ckptzip.jitcache"):
+        jitcache.ready("lossless", timeout=0.5)
+    assert child.poll() is not None
+    assert "no result within" in caplog.records[0].getMessage()
+
+
+@needs_numba
+def test_a_cold_cache_compiles_in_the_child_only(tmp_path):
+    """A fresh numba cache: a GPT-2 chain's saves (with the search) and restores in a new process
+    load every kernel the child compiled; a second process finds the stamp and starts no child."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent("""
+        import gc, json, resource, sys, torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+        from ckptzip import jitcache
+        from ckptzip.chain import CheckpointChain
+        from ckptzip.methods.base import EncodeContext
+        from numba.core.dispatcher import Dispatcher
+
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=32))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randint(0, 256, (4, 32))
+        score = lambda m: float(m(input_ids=x, labels=x).loss)
+        chain = CheckpointChain(sys.argv[1], "dynaquant")
+        started = jitcache._children.get("dynaquant") is not None
+        for step in range(1, 5):
+            for _ in range(4):
+                opt.zero_grad()
+                model(input_ids=x, labels=x).loss.backward()
+                opt.step()
+            ctx = EncodeContext(step=step, model=model, eval_fn=score, threshold=0.01) if step > 2 else None
+            chain.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, step, model=model, ctx=ctx)
+        for step in range(1, 5):
+            CheckpointChain(sys.argv[1]).restore(step)
+        compiled = sorted(o.py_func.__qualname__ for o in gc.get_objects() if isinstance(o, Dispatcher)
+                          and o.py_func.__module__.startswith("ckptzip") and sum(o.stats.cache_misses.values()))
+        print(json.dumps({"started": started, "compiled_here": compiled,
+                          "stamp": jitcache.stamp_path("dynaquant")}))
+    """))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), PYTHONPATH=os.path.join(ROOT, "src"))
+    env.pop(jitcache.ENV, None)
+
+    def run(i: int) -> dict:
+        out = subprocess.run([sys.executable, str(script), f"file://{tmp_path}/chain{i}"], env=env,
+                             capture_output=True, text=True, timeout=1500)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    cold = run(1)
+    assert cold["started"] and cold["compiled_here"] == [] and os.path.exists(cold["stamp"])
+    assert cold["stamp"].startswith(str(tmp_path / "numba"))
+    warm = run(2)
+    assert not warm["started"] and warm["compiled_here"] == []
+
+
+@needs_numba
+def test_cli_jit_compiles_and_names_bad_methods(tmp_path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), PYTHONPATH=os.path.join(ROOT, "src"))
+    bad = subprocess.run([sys.executable, "-m", "ckptzip", "jit", "nosuch"], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "nosuch" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    ok = subprocess.run([sys.executable, "-m", "ckptzip", "jit", "lossless"], env=env, capture_output=True, text=True)
+    assert ok.returncode == 0 and "compiled into" in ok.stdout and str(tmp_path / "numba") in ok.stdout, ok.stderr
+    stamps = [f for d in (tmp_path / "numba").iterdir() for f in os.listdir(d) if f.startswith("ckptzip-jit-lossless-")]
+    assert len(stamps) == 1
+    off = subprocess.run([sys.executable, "-m", "ckptzip", "jit"], env={**env, jitcache.ENV: "inprocess"},
+                         capture_output=True, text=True)
+    assert off.returncode == 0 and "nothing to compile" in off.stdout
