@@ -54,6 +54,13 @@ def test_inprocess_starts_no_child(fresh, monkeypatch):
 
 
 @needs_numba
+def test_a_method_of_the_users_compiles_here(fresh, monkeypatch):
+    monkeypatch.setattr(jitcache.subprocess, "Popen", lambda *a, **k: pytest.fail("a child was started"))
+    jitcache.prepare("my-method/1")  # registered in this process only: a child could not make it
+    jitcache.ready("my-method")
+
+
+@needs_numba
 def test_a_failed_child_warns_and_the_save_goes_on(fresh, tmp_path, monkeypatch, caplog):
     from ckptzip.chain import CheckpointChain
     import torch

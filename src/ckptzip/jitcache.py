@@ -88,7 +88,10 @@ def prepare(method: str) -> None:
     with _guard:
         if name in _children:
             return
-        if not enabled() or os.path.exists(stamp_path(name)):
+        from .methods.base import builtin
+
+        # a registered method of the user's exists only in this process: its kernels compile here
+        if not enabled() or not builtin(name) or os.path.exists(stamp_path(name)):
             _children[name] = None
             return
         pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

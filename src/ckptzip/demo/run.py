@@ -85,9 +85,10 @@ def main(workloads=DEFAULT_WORKLOADS, methods=None, failures: int | None = None,
 
 def _compile_kernels(methods) -> None:
     """Save and load a small Adam state (with a config search) once per method before anything is
-    timed. numba compiles each kernel at its first call and caches it on disk: in a fresh clone the
-    first workload's saves would otherwise carry ~17 s of compilation (measured: digits dynaquant
-    1177 % overhead against 121 % with a warm cache), which a training run pays once per checkout."""
+    timed. The chains' first saves wait for their methods' kernels to compile in a child process
+    (jitcache.py; a fresh clone's first workload would otherwise carry the compile: measured before,
+    digits dynaquant 1177 % overhead against 121 % with a warm cache, which a training run pays once
+    per checkout), and the saves take the other first calls' costs out of the timed runs."""
     import fsspec
 
     from ..api import rng_state

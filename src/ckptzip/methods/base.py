@@ -284,6 +284,11 @@ def searches(method: Method) -> bool:
     return hasattr(method, "choose_knobs") and bool(getattr(getattr(cfg, "search", None), "enabled", False))
 
 
+def builtin(name: str) -> bool:
+    """Whether ``name`` is one of ckptzip's own methods (a child process can make it by name)."""
+    return name in _BUILTIN
+
+
 def available_methods() -> list[str]:
     names = set(_REGISTRY)
     for name, mod in _BUILTIN.items():
