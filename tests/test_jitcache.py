@@ -78,11 +78,30 @@ def test_a_failed_child_warns_and_the_save_goes_on(fresh, tmp_path, monkeypatch,
 
 
 @needs_numba
+def test_a_child_nobody_waits_for_ends_and_is_reaped(fresh, tmp_path, monkeypatch):
+    """A chain that never saves (the trainer's side of an async engine) never calls ready(): the
+    child must not block on what it writes to stderr (it would hold the lock other processes'
+    children wait on), and it must not stay a zombie."""
+    import time
+
+    done = tmp_path / "done"
+    monkeypatch.setattr(jitcache, "stamp_path", lambda m: str(tmp_path / f"stamp-{m}"))
+    monkeypatch.setattr(jitcache.sys, "executable",
+                        fake_python(tmp_path, f"head -c 300000 /dev/zero | tr '\\0' x >&2; touch {done}"))
+    jitcache.prepare("lossless")
+    child, _ = jitcache._children["lossless"]
+    deadline = time.monotonic() + 30
+    while child.returncode is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert done.exists() and child.returncode == 0  # ended, and reaped by the thread (returncode set)
+
+
+@needs_numba
 def test_a_child_past_its_timeout_is_killed(fresh, tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(jitcache, "stamp_path", lambda m: str(tmp_path / f"stamp-{m}"))
     monkeypatch.setattr(jitcache.sys, "executable", fake_python(tmp_path, "exec sleep 60"))
     jitcache.prepare("lossless")
-    child = jitcache._children["lossless"]
+    child, _ = jitcache._children["lossless"]
     with caplog.at_level(logging.WARNING, logger="ckptzip.jitcache"):
         jitcache.ready("lossless", timeout=0.5)
     assert child.poll() is not None

@@ -28,6 +28,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import threading
 
 __all__ = ["prepare", "ready", "compile_kernels", "enabled", "cache_dir", "stamp_path", "ENV", "TIMEOUT_S"]
@@ -38,7 +39,7 @@ _STAMP = "ckptzip-jit-"
 _LOCK = "ckptzip-jit.lock"
 _log = logging.getLogger(__name__)
 _guard = threading.Lock()
-_children: dict[str, subprocess.Popen | None] = {}  # method -> its child (None: nothing to wait for)
+_children: dict[str, tuple | None] = {}  # method -> (its child, its stderr file); None: nothing to wait for
 
 
 def _method(name: str) -> str:
@@ -97,9 +98,13 @@ def prepare(method: str) -> None:
         pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [pkg_parent, os.environ.get("PYTHONPATH")])))
         try:
-            _children[name] = subprocess.Popen([sys.executable, "-m", "ckptzip.jitcache", name], env=env,
-                                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                               stderr=subprocess.PIPE)
+            # stderr into a file, not a pipe: a child nobody waits for (a chain that never saves) must
+            # not block on a full pipe while it holds the lock; a thread reaps it when it ends
+            err = tempfile.TemporaryFile()
+            child = subprocess.Popen([sys.executable, "-m", "ckptzip.jitcache", name], env=env,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+            _children[name] = child, err
+            threading.Thread(target=child.wait, name=f"ckptzip-jit-{name}", daemon=True).start()
         except OSError as e:
             _children[name] = None
             _log.warning("ckptzip: could not start the kernel compile child (%s); compiling in this process", e)
@@ -111,20 +116,28 @@ def ready(method: str, timeout: float = TIMEOUT_S) -> None:
     name = _method(method)
     prepare(name)
     with _guard:
-        child = _children.get(name)
-        if child is None:
+        if _children.get(name) is None:
             return
+        child, log = _children[name]
         try:
-            _, err = child.communicate(timeout=timeout)
+            child.wait(timeout=timeout)
+            err = _tail(log)
         except subprocess.TimeoutExpired:
             child.kill()
-            child.communicate()
-            err = f"no result within {timeout:.0f} s".encode()
+            child.wait()
+            err = f"no result within {timeout:.0f} s"
+        log.close()
         _children[name] = None
         if child.returncode:
-            tail = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit code {child.returncode}"]
             _log.warning("ckptzip: the kernel compile child for %s failed (%s); compiling in this process "
-                         "(set %s=inprocess to skip the child)", name, tail[0], ENV)
+                         "(set %s=inprocess to skip the child)", name, err or f"exit code {child.returncode}", ENV)
+
+
+def _tail(f) -> str:
+    """The last line of a child's stderr file."""
+    f.seek(0)
+    lines = f.read()[-4096:].decode(errors="replace").strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def compile_kernels(methods) -> None:
