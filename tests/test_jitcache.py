@@ -78,6 +78,29 @@ def test_a_failed_child_warns_and_the_save_goes_on(fresh, tmp_path, monkeypatch,
 
 
 @needs_numba
+def test_threads_waiting_for_one_child_report_once_and_block_no_other_method(fresh, tmp_path, monkeypatch, caplog):
+    import threading
+    import time
+
+    monkeypatch.setattr(jitcache, "stamp_path", lambda m: str(tmp_path / f"stamp-{m}"))
+    monkeypatch.setattr(jitcache.sys, "executable", fake_python(tmp_path, "sleep 2; echo 'boom' >&2; exit 1"))
+    jitcache.prepare("lossless")
+    with caplog.at_level(logging.WARNING, logger="ckptzip.jitcache"):
+        waiters = [threading.Thread(target=jitcache.ready, args=("lossless",)) for _ in range(2)]
+        for t in waiters:
+            t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        jitcache.prepare("dynaquant")  # another chain's child starts while both wait
+        assert time.monotonic() - t0 < 1.5
+        for t in waiters:
+            t.join(30)
+        jitcache.ready("dynaquant")
+    lossless = [r.getMessage() for r in caplog.records if " lossless " in r.getMessage()]
+    assert len(lossless) == 1 and "boom" in lossless[0]
+
+
+@needs_numba
 def test_a_child_nobody_waits_for_ends_and_is_reaped(fresh, tmp_path, monkeypatch):
     """A chain that never saves (the trainer's side of an async engine) never calls ready(): the
     child must not block on what it writes to stderr (it would hold the lock other processes'

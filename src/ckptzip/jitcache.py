@@ -8,8 +8,8 @@ docs/BENCHMARKS.md "Kernels compiled in a child process"). So a chain's first sa
 waits for a child, ``python -m ckptzip.jitcache METHOD``, that saves and restores a small training
 state with the method (compiling what the cache lacks), and then loads every kernel from the
 cache. CheckpointChain starts the child when it is made, so a run trains beside the compile; a
-stamp file in numba's cache folder, named by a hash of this package's sources, numba, Python and
-the CPU, says the child already ran and costs one stat.
+stamp file in numba's cache folder, named by a hash of this package's sources (their sizes and
+times: ~2 ms a process), numba, Python and the CPU, says the child already ran.
 
     prepare("dynaquant")     # start the child in the background (nothing if stamped or started)
     ready("dynaquant")       # wait for it (starting it if needed); then the kernels load
@@ -116,18 +116,23 @@ def ready(method: str, timeout: float = TIMEOUT_S) -> None:
     name = _method(method)
     prepare(name)
     with _guard:
-        if _children.get(name) is None:
+        entry = _children.get(name)
+    if entry is None:
+        return
+    child, log = entry
+    late = False
+    try:  # outside the guard: another method's chain may start its child meanwhile
+        child.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        late = True
+        child.kill()
+        child.wait()
+    with _guard:
+        if _children.get(name) is not entry:  # another thread waited for the same child and reported
             return
-        child, log = _children[name]
-        try:
-            child.wait(timeout=timeout)
-            err = _tail(log)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-            err = f"no result within {timeout:.0f} s"
-        log.close()
         _children[name] = None
+        err = f"no result within {timeout:.0f} s" if late else _tail(log)
+        log.close()
         if child.returncode:
             _log.warning("ckptzip: the kernel compile child for %s failed (%s); compiling in this process "
                          "(set %s=inprocess to skip the child)", name, err or f"exit code {child.returncode}", ENV)
