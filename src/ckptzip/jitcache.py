@@ -3,7 +3,7 @@
 numba compiles a kernel at its first call and keeps the machine code on disk (``cache=True``):
 a dynaquant save and restore compile for ~50 s on a cold cache, and a later process loads the same
 code in ~1.6 s. A process that compiled its kernels itself also keeps LLVM's state (~0.5 GB) and
-saves ~1.1x slower for the rest of its life than one that loaded them (paired against each other,
+saves 1.04-1.11x slower for the rest of its life than one that loaded them (paired against each other,
 docs/BENCHMARKS.md "Kernels compiled in a child process"). So a chain's first save or restore
 waits for a child, ``python -m ckptzip.jitcache METHOD``, that saves and restores a small training
 state with the method (compiling what the cache lacks), and then loads every kernel from the
