@@ -289,9 +289,9 @@ class CheckpointChain:
     def restore(self, step: int | None = None, *, device: str | torch.device = "cpu") -> Restored:
         for attempt in range(READ_ATTEMPTS):
             base = self._load_index()
-            target = self.entry(step)
-            jitcache.ready(target.method)
-            target = target.step
+            entry = self.entry(step)
+            jitcache.ready(entry.method)
+            target = entry.step
             try:
                 (flat, manifest), ref = self._replay(target, base.entries)
                 break

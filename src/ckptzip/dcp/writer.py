@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..chain import KeyframePolicy, RetentionPolicy
 from .. import jitcache
+from ..chain import KeyframePolicy, RetentionPolicy
 from ..configcheck import Range, check_args
 from ..errors import ConfigError, StepOrderError
 from ..methods.base import EncodeContext, Method, get_method
