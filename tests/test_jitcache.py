@@ -133,8 +133,9 @@ def test_a_child_past_its_timeout_is_killed(fresh, tmp_path, monkeypatch, caplog
 
 @needs_numba
 def test_a_cold_cache_compiles_in_the_child_only(tmp_path):
-    """A fresh numba cache: a GPT-2 chain's saves (with the search) and restores in a new process
-    load every kernel the child compiled; a second process finds the stamp and starts no child."""
+    """A fresh numba cache: a GPT-2 chain's saves (with the search), restores and a resumed save in
+    a new process load every kernel the child compiled; a second process finds the stamp and
+    starts no child."""
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent("""
         import gc, json, resource, sys, torch
@@ -160,6 +161,13 @@ def test_a_cold_cache_compiles_in_the_child_only(tmp_path):
             chain.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, step, model=model, ctx=ctx)
         for step in range(1, 5):
             CheckpointChain(sys.argv[1]).restore(step)
+        resumed = CheckpointChain(sys.argv[1], "dynaquant")  # a restart after a failure
+        model.load_state_dict(resumed.restore().state["model"])
+        opt.zero_grad()
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        resumed.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, 5, model=model,
+                     ctx=EncodeContext(step=5, model=model, eval_fn=score, threshold=0.01))
         compiled = sorted(o.py_func.__qualname__ for o in gc.get_objects() if isinstance(o, Dispatcher)
                           and o.py_func.__module__.startswith("ckptzip") and sum(o.stats.cache_misses.values()))
         print(json.dumps({"started": started, "compiled_here": compiled,

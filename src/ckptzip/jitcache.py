@@ -156,9 +156,9 @@ def compile_kernels(methods) -> None:
 # --- the child -------------------------------------------------------------------------------
 def _exercise(method: str) -> None:
     """Save a small training state's keyframe and three deltas with ``method`` (the deltas with the
-    config search: the first exhaustive, the next two in the neighbourhood), then restore every
-    step from a fresh chain object: each kernel a save and a restore call, at the dtypes a float32
-    model with Adam gives them."""
+    config search: the first exhaustive, the next two in the neighbourhood), restore every step from
+    a fresh chain object, then resume as a restarted run does (a save after its restore): each
+    kernel a save and a restore call, at the dtypes a float32 model with Adam gives them."""
     import fsspec
     import torch
     from torch import nn
@@ -194,6 +194,10 @@ def _exercise(method: str) -> None:
                        model=model, optimizer=opt, ctx=ctx)
         for step in (1, 2, 3, 4):
             CheckpointChain(url).restore(step)
+        resumed = CheckpointChain(url, method)  # a restart: restore the latest, then save against it
+        model.load_state_dict(resumed.restore().state["model"])
+        resumed.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 5}, 5, model=model,
+                     optimizer=opt, ctx=EncodeContext(step=5, model=model, eval_fn=score, threshold=0.01))
     finally:
         fsspec.filesystem("memory").rm(root, recursive=True)
 
