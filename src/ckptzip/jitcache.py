@@ -180,6 +180,9 @@ def _exercise(method: str) -> None:
         with torch.no_grad():
             return float(loss_of(m))
 
+    def state(step: int) -> dict:
+        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "rng": torch.get_rng_state()}
+
     root = f"ckptzip-jit-{os.getpid()}"
     url = f"memory://{root}/{method}"
     try:
@@ -189,15 +192,18 @@ def _exercise(method: str) -> None:
                 opt.zero_grad()
                 loss_of(model).backward()
                 opt.step()
-            ctx = EncodeContext(step=step, model=model, eval_fn=score, threshold=0.01) if step > 1 else None
-            chain.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, step,
-                       model=model, optimizer=opt, ctx=ctx)
+            # sensitivity pruning reads gradients (api.SaveWindowRecorder's), and a state often
+            # carries the RNG's bytes: both reach kernels at dtypes of their own
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            ctx = EncodeContext(step=step, model=model, eval_fn=score, threshold=0.01,
+                                gradients=grads if step > 2 else None) if step > 1 else None
+            chain.save(state(step), step, model=model, optimizer=opt, ctx=ctx)
         for step in (1, 2, 3, 4):
             CheckpointChain(url).restore(step)
         resumed = CheckpointChain(url, method)  # a restart: restore the latest, then save against it
         model.load_state_dict(resumed.restore().state["model"])
-        resumed.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 5}, 5, model=model,
-                     optimizer=opt, ctx=EncodeContext(step=5, model=model, eval_fn=score, threshold=0.01))
+        resumed.save(state(5), 5, model=model, optimizer=opt,
+                     ctx=EncodeContext(step=5, model=model, eval_fn=score, threshold=0.01))
     finally:
         fsspec.filesystem("memory").rm(root, recursive=True)
 
