@@ -189,12 +189,12 @@ def _replay(root: Root, step: int, rank: int, sha, device, methods: dict, only, 
             key = m["method"] + json.dumps(m.get("config", {}), sort_keys=True)
             if key not in methods:
                 methods[key] = method_for_file(m["method"], m.get("config"))
-                jitcache.ready(m["method"])
             wanted = m["records"] if only is None else {n: r for n, r in m["records"].items() if n in only}
             records = {n: TensorRecord.from_dict(n, r) for n, r in wanted.items()}
             enc = Encoded(records={n: {"pipeline": r["pipeline"], "meta": r.get("meta", {}), "blobs": r["blobs"]}
                                    for n, r in m["records"].items()},
                           blobs=c.blobs, meta=m.get("method_meta", {}), keyframe=m["keyframe"])
+        jitcache.ready(m["method"])  # outside malformed(): its faults are not the manifest's
         try:
             tensors, ref = methods[key].decode(records, enc, ref, ctx=DecodeContext(step=s))
         except CorruptCheckpointError as e:
