@@ -23,11 +23,16 @@ def fresh(monkeypatch):
     monkeypatch.delenv(jitcache.ENV, raising=False)
 
 
-def fake_python(tmp_path, body: str) -> str:
-    exe = tmp_path / "python"
-    exe.write_text(f"#!/bin/sh\n{body}\n")
-    exe.chmod(0o755)
-    return str(exe)
+@pytest.fixture
+def child_script(fresh, tmp_path, monkeypatch):
+    """``child_script(body)``: the child replaced by a shell script, no stamp in numba's cache."""
+    def use(body: str) -> None:
+        exe = tmp_path / "python"
+        exe.write_text(f"#!/bin/sh\n{body}\n")
+        exe.chmod(0o755)
+        monkeypatch.setattr(jitcache, "stamp_path", lambda m: str(tmp_path / f"stamp-{m}"))
+        monkeypatch.setattr(jitcache.sys, "executable", str(exe))
+    return use
 
 
 @needs_numba
@@ -61,12 +66,11 @@ def test_a_method_of_the_users_compiles_here(fresh, monkeypatch):
 
 
 @needs_numba
-def test_a_failed_child_warns_and_the_save_goes_on(fresh, tmp_path, monkeypatch, caplog):
+def test_a_failed_child_warns_and_the_save_goes_on(child_script, tmp_path, caplog):
     from ckptzip.chain import CheckpointChain
     import torch
 
-    monkeypatch.setattr(jitcache, "stamp_path", lambda m: str(tmp_path / f"stamp-{m}"))
-    monkeypatch.setattr(jitcache.sys, "executable", fake_python(tmp_path, "echo 'ImportError: no torch here' >&2; exit 3"))
+    child_script("echo 'ImportError: no torch here' >&2; exit 3")
     with caplog.at_level(logging.WARNING, logger="ckptzip.jitcache"):
         chain = CheckpointChain(f"file://{tmp_path}/c", "lossless")
         chain.save({"w": torch.arange(10.0)}, 1)
@@ -78,12 +82,11 @@ def test_a_failed_child_warns_and_the_save_goes_on(fresh, tmp_path, monkeypatch,
 
 
 @needs_numba
-def test_threads_waiting_for_one_child_report_once_and_block_no_other_method(fresh, tmp_path, monkeypatch, caplog):
+def test_threads_waiting_for_one_child_report_once_and_block_no_other_method(child_script, caplog):
     import threading
     import time
 
-    monkeypatch.setattr(jitcache, "stamp_path", lambda m: str(tmp_path / f"stamp-{m}"))
-    monkeypatch.setattr(jitcache.sys, "executable", fake_python(tmp_path, "sleep 2; echo 'boom' >&2; exit 1"))
+    child_script("sleep 2; echo 'boom' >&2; exit 1")
     jitcache.prepare("lossless")
     with caplog.at_level(logging.WARNING, logger="ckptzip.jitcache"):
         waiters = [threading.Thread(target=jitcache.ready, args=("lossless",)) for _ in range(2)]
@@ -101,16 +104,14 @@ def test_threads_waiting_for_one_child_report_once_and_block_no_other_method(fre
 
 
 @needs_numba
-def test_a_child_nobody_waits_for_ends_and_is_reaped(fresh, tmp_path, monkeypatch):
+def test_a_child_nobody_waits_for_ends_and_is_reaped(child_script, tmp_path):
     """A chain that never saves (the trainer's side of an async engine) never calls ready(): the
     child must not block on what it writes to stderr (it would hold the lock other processes'
     children wait on), and it must not stay a zombie."""
     import time
 
     done = tmp_path / "done"
-    monkeypatch.setattr(jitcache, "stamp_path", lambda m: str(tmp_path / f"stamp-{m}"))
-    monkeypatch.setattr(jitcache.sys, "executable",
-                        fake_python(tmp_path, f"head -c 300000 /dev/zero | tr '\\0' x >&2; touch {done}"))
+    child_script(f"head -c 300000 /dev/zero | tr '\\0' x >&2; touch {done}")
     jitcache.prepare("lossless")
     child, _ = jitcache._children["lossless"]
     deadline = time.monotonic() + 30
@@ -120,9 +121,8 @@ def test_a_child_nobody_waits_for_ends_and_is_reaped(fresh, tmp_path, monkeypatc
 
 
 @needs_numba
-def test_a_child_past_its_timeout_is_killed(fresh, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(jitcache, "stamp_path", lambda m: str(tmp_path / f"stamp-{m}"))
-    monkeypatch.setattr(jitcache.sys, "executable", fake_python(tmp_path, "exec sleep 60"))
+def test_a_child_past_its_timeout_is_killed(child_script, caplog):
+    child_script("exec sleep 60")
     jitcache.prepare("lossless")
     child, _ = jitcache._children["lossless"]
     with caplog.at_level(logging.WARNING, logger="ckptzip.jitcache"):
