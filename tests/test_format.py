@@ -128,6 +128,17 @@ def test_payload_is_the_container_in_parts_without_copies():
     assert f.read(len(GOLDEN) + 9) == GOLDEN
 
 
+def test_payload_takes_the_encoders_digests_of_its_own_checksum_only():
+    """An encoder's digests (computed while its blobs were in cache) go into the blob table where
+    they are of the container's checksum; one of another checksum is computed again."""
+    manifest, blobs = golden.golden_container()
+    k = sorted(blobs)[0]
+    other = container_payload(manifest, blobs, checksum="sha256", digests={k: ("blake3", "0" * 64)})
+    assert bytes(other) == GOLDEN
+    taken = container_payload(manifest, blobs, checksum="sha256", digests={k: ("sha256", "0" * 64)})
+    assert read_manifest(bytes(taken))["blobs"][k]["sha256"] == "0" * 64  # taken as given: the encoder's word
+
+
 def test_golden_decodes():
     manifest, blobs = golden.golden_container()
     c = decode_container(GOLDEN)

@@ -81,6 +81,20 @@ def test_special_values_survive_keyframe_and_delta(dtype, grouped):
     assert bits_equal(d0["x"], prev.reshape(-1, 1)) and bits_equal(d1["x"], cur.reshape(-1, 1))
 
 
+@pytest.mark.parametrize("checksum", ["blake3", "crc32", None])
+def test_encoder_digests_are_its_blobs_checksums(checksum):
+    # lossless hashes each own blob in its thread, while it is in cache: each digest is the blob's
+    from ckptzip.format import blob_digest
+
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(64, 256, generator=g), "b": torch.randn(8, generator=g)}
+    enc, _ = LosslessMethod().encode(flatten_state(state), None, ctx=EncodeContext(step=1, checksum=checksum))
+    want = {enc.records["w"]["blobs"]["data"]} if checksum else set()
+    assert set(enc.digests) == want
+    for key in want:
+        assert enc.digests[key] == (checksum, blob_digest(checksum, enc.blobs[key]))
+
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool])
 def test_integer_and_bool_tensors_exact(dtype):
     g = torch.Generator().manual_seed(1)
@@ -390,14 +404,18 @@ def test_probe_gain_kernel_equals_reference_and_tracks_zstd():
     y = x + 1e-3 * torch.randn(4096, generator=torch.Generator().manual_seed(2))
     xor = (x.view(torch.int32) ^ y.view(torch.int32)).numpy().view(np.uint8).reshape(-1, 4)
     samples += [np.ascontiguousarray(xor[:, j]) for j in range(4)]
-    for smp in samples:
-        want = bytegroup.sample_gain(smp.tobytes(), backend="numpy")
-        if bytegroup._numba is not None:
-            assert bytegroup.sample_gain(smp.tobytes(), backend="numba") == want
+    planes = np.stack([np.resize(smp, 4096) for smp in samples])  # one (planes, bytes) array, as compress probes
+    rows = list(range(len(samples)))
+    want = bytegroup.sample_gains(planes, rows, 4096, backend="numpy")
+    if bytegroup._numba is not None:
+        assert bytegroup.sample_gains(planes, rows, 4096, backend="numba") == want
+        assert bytegroup.sample_gains(planes, rows[::-2], 1000, backend="numba") == \
+            bytegroup.sample_gains(planes, rows[::-2], 1000, backend="numpy")
+    for smp, got in zip(samples, want):
         zstd_gain = 1 - len(bytegroup.zstd_compress(smp.tobytes(), 3, plane=True)) / smp.size
-        assert zstd_gain - 0.01 < want < zstd_gain + 0.1, (want, zstd_gain)
-    assert bytegroup.sample_gain(samples[0].tobytes()) < bytegroup._PROBE_GAIN
-    assert bytegroup.sample_gain(b"") == 0.0
+        assert zstd_gain - 0.01 < got < zstd_gain + 0.1, (got, zstd_gain)
+    assert want[0] < bytegroup._PROBE_GAIN
+    assert bytegroup.sample_gains(planes[:, :0], [0, 1], 4096) == [0.0, 0.0]
 
 
 def test_bytegroup_rotation_puts_exponent_in_top_plane():

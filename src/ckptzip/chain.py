@@ -180,7 +180,7 @@ class CheckpointChain:
                                  "save increasing steps (or start a new chain, or truncate this one)")
             ctx = ctx or EncodeContext(step=step, model=model)
             # the reference is replaced by the new one, or forgotten on failure: the method may reuse it
-            ctx = dataclasses.replace(ctx, step=step, base=self.base, reference_spent=True,
+            ctx = dataclasses.replace(ctx, step=step, base=self.base, reference_spent=True, checksum=self.checksum,
                                       gradients=ctx.gradients and {n: g.cpu() for n, g in ctx.gradients.items()})
             if base.version != self._ref_version:
                 self.forget_reference()  # another writer (or chain object) committed since: rebuild it
@@ -196,7 +196,7 @@ class CheckpointChain:
                     raise RuntimeError(f"method {self.method.name} left records unencoded: {sorted(missing)[:5]}")
                 parent = None if enc.keyframe else ref.step
                 manifest = self._manifest(flat, enc, step, parent)
-                data = container_payload(manifest, enc.blobs, checksum=self.checksum)  # streamed, never joined
+                data = container_payload(manifest, enc.blobs, checksum=self.checksum, digests=enc.digests)  # never joined
                 self.storage.makedirs()
                 fname = self._create_file(step, data)
                 entry = Entry(step=step, file=fname, parent=parent, keyframe=enc.keyframe, method=self.method.descriptor,

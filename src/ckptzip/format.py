@@ -70,7 +70,8 @@ def blake3_hex(data: bytes | memoryview) -> str:
     return blake3.blake3(data).hexdigest()
 
 
-def _digest(kind: str, data: bytes | memoryview) -> str:
+def blob_digest(kind: str, data: bytes | memoryview) -> str:
+    """A blob's checksum of ``kind`` (a name in CHECKSUMS), as the manifest's blob table holds it."""
     if kind == "blake3":
         return blake3_hex(data)
     return sha256(data) if kind == "sha256" else f"{zlib.crc32(data):08x}"
@@ -79,7 +80,7 @@ def _digest(kind: str, data: bytes | memoryview) -> str:
 def blob_matches(entry: dict, data: bytes | memoryview, checksum: str) -> bool:
     """Whether ``data`` is the blob its blob table ``entry`` describes by ``checksum`` (the one its
     file's format version names: a flipped version digit cannot make a reader skip the check)."""
-    return entry.get(checksum) == _digest(checksum, data)
+    return entry.get(checksum) == blob_digest(checksum, data)
 
 
 def header_sha256(data: bytes | memoryview | Payload) -> str:
@@ -112,14 +113,22 @@ def _header_bytes(manifest_str: str, sizes: list[tuple[str, int]], version: int 
     return raw + b" " * (-len(raw) % 8)  # safetensors pads the header with spaces to 8 bytes
 
 
-def container_payload(manifest: dict, blobs: dict[str, bytes], *, checksum: str = DEFAULT_CHECKSUM) -> Payload:
+def container_payload(manifest: dict, blobs: dict[str, bytes], *, checksum: str = DEFAULT_CHECKSUM,
+                      digests: dict[str, tuple[str, str]] | None = None) -> Payload:
     """A manifest and its blobs as the container's parts (header, then blobs by key); blob
-    checksums (``checksum``: a name in CHECKSUMS) are added to the manifest here. ``bytes()`` of it
-    is :func:`encode_container`."""
+    checksums (``checksum``: a name in CHECKSUMS) are added to the manifest here, or taken from
+    ``digests`` (blob key -> (checksum name, digest): the encoder's, computed while the blob was in
+    cache) where its name is ``checksum``. ``bytes()`` of it is :func:`encode_container`."""
     manifest = dict(manifest)
     version = manifest["format_version"] = CHECKSUMS[checksum]
     keys = sorted(blobs)
-    manifest["blobs"] = {k: {"nbytes": len(blobs[k]), checksum: _digest(checksum, blobs[k])} for k in keys}
+    digests = digests or {}
+
+    def digest(k: str) -> str:
+        kind, value = digests.get(k, (None, None))
+        return value if kind == checksum else blob_digest(checksum, blobs[k])
+
+    manifest["blobs"] = {k: {"nbytes": len(blobs[k]), checksum: digest(k)} for k in keys}
     # the manifest keeps insertion order (no sort_keys): the skeleton's dict order is the state's key
     # order (state_dict order, which param-link inference relies on); the reader uses the string verbatim
     # no circular check: the manifest is a tree we built (the check is a fifth of the dump's time)
@@ -131,9 +140,10 @@ def container_payload(manifest: dict, blobs: dict[str, bytes], *, checksum: str 
     return Payload([struct.pack("<Q", len(header)) + header, *(blobs[k] for k in keys)])
 
 
-def encode_container(manifest: dict, blobs: dict[str, bytes], *, checksum: str = DEFAULT_CHECKSUM) -> bytes:
+def encode_container(manifest: dict, blobs: dict[str, bytes], *, checksum: str = DEFAULT_CHECKSUM,
+                     digests: dict[str, tuple[str, str]] | None = None) -> bytes:
     """Serialize a manifest and its blobs into one buffer (the joined :func:`container_payload`)."""
-    return bytes(container_payload(manifest, blobs, checksum=checksum))
+    return bytes(container_payload(manifest, blobs, checksum=checksum, digests=digests))
 
 
 def decode_container(data: bytes | memoryview, *, name: str = "checkpoint", verify_blobs: bool = True) -> Container:

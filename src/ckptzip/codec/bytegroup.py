@@ -22,6 +22,7 @@ loop per case (:func:`_kernels`): a branch per word kept one generic loop from v
 """
 from __future__ import annotations
 
+import functools
 import struct
 import sys
 from collections.abc import Collection
@@ -96,7 +97,7 @@ def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, le
     frames tuned for byte planes (False: zstd's plain ``level``); ``store_raw``: plane indices
     predicted not to shrink (a caller's prediction, e.g. the parent's same plane did not: the low
     mantissa planes of an XOR delta are near-random), stored raw unless zstd shrinks their first
-    ``PROBE_BYTES`` (:func:`_probe`); ``advance``: ``prev`` (a writable buffer)
+    ``PROBE_BYTES`` (:func:`_probed_raw`); ``advance``: ``prev`` (a writable buffer)
     is then overwritten with ``raw`` (a caller that keeps the words as its next reference copies them
     into memory it holds already), in the split's pass; ``min_gain``: a plane zstd shrinks by less
     than this share is stored raw (0: any gain is kept), judged on the probe for a predicted one."""
@@ -116,9 +117,10 @@ def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, le
     planes = split_planes(words, rotate, prev, out=_planes_buffer(width, len(words)), advance=fused)
     if advance and prev is not None and not fused:
         held[:] = raw  # bytes for bytes: the words' order on this host does not matter
+    keep_raw = _probed_raw(planes, store_raw, min_gain)
     parts = []
     for i, p in enumerate(planes):
-        c = _probe(p.data, level, plane, min_gain) if i in store_raw else zstd_compress(p.data, level, plane=plane)
+        c = p.data if i in keep_raw else zstd_compress(p.data, level, plane=plane)
         parts.append(p.data if len(c) >= p.size * (1 - min_gain) else c)  # a plane zstd cannot shrink: raw
     lens = [len(c) | (_RAW if isinstance(c, memoryview) else 0) for c in parts]
     head = struct.pack(f"<BBQ{width}I", width, int(rotate), len(words), *lens)
@@ -130,36 +132,52 @@ _PROBE_GAIN = 0.01     # ... of at least this share (a near-random plane's histo
 _PROBE_BIAS = 0.02     # what the histogram of 4 KiB promises beyond zstd's gain on a near-random plane
 
 
-def _probe(plane: memoryview, level: int, plane_params: bool, min_gain: float = 0.0) -> bytes | memoryview:
-    """A plane predicted not to shrink: zstd of it, or the plane itself (stored raw) when the byte
-    histogram of its first PROBE_BYTES promises less than ``min_gain`` (plus what it over-promises,
-    ``_PROBE_BIAS``; and 1 %). zstd's frames of a plane are Huffman-coded literals (matches of 7+
-    bytes are rare in numbers), so the order-0 entropy tells what zstd would save: a histogram costs
-    ~1 us where a zstd probe of 4 KiB cost ~7 us, and a small chain's delta probes ~150 planes.
-    Every save probes, so a plane that becomes compressible is caught at once."""
-    if plane.nbytes > PROBE_BYTES and sample_gain(plane[:PROBE_BYTES]) < max(_PROBE_GAIN, min_gain + _PROBE_BIAS):
-        return plane
-    return zstd_compress(plane, level, plane=plane_params)
+def _probed_raw(planes: np.ndarray, store_raw: Collection[int], min_gain: float = 0.0) -> frozenset[int]:
+    """Of the planes predicted not to shrink (``store_raw``), those to store raw without trying zstd:
+    where the byte histogram of the first PROBE_BYTES promises less than ``min_gain`` (plus what it
+    over-promises, ``_PROBE_BIAS``; and 1 %). zstd's frames of a plane are Huffman-coded literals
+    (matches of 7+ bytes are rare in numbers), so the order-0 entropy tells what zstd would save: a
+    histogram costs ~1 us where a zstd probe of 4 KiB cost ~7 us, and a small chain's delta probes
+    ~150 planes (one kernel call a tensor: a call a plane cost more than its histogram). Every save
+    probes, so a plane that becomes compressible is caught at once."""
+    if planes.shape[1] <= PROBE_BYTES:
+        return frozenset()
+    rows = [i for i in range(planes.shape[0]) if i in store_raw]
+    if not rows:
+        return frozenset()
+    floor = max(_PROBE_GAIN, min_gain + _PROBE_BIAS)
+    return frozenset(i for i, g in zip(rows, sample_gains(planes, rows, PROBE_BYTES)) if g < floor)
 
 
-def _gain_py(counts: np.ndarray, n: int) -> float:
-    """1 - H / 8 of n bytes of these 256 counts (H: their order-0 entropy in bits a byte), summed bin
-    by bin in order: the numba kernel and the reference agree bit for bit."""
+def _gain_py(counts: np.ndarray, n: int, terms: np.ndarray) -> float:
+    """1 - H / 8 of n bytes of these 256 counts (H: their order-0 entropy in bits a byte), its terms
+    c * log2(c / n) looked up in ``terms`` (:func:`_gain_terms`: a log a bin cost a third of a probe)
+    and summed bin by bin in order: the numba kernel and the reference agree bit for bit."""
     acc = 0.0
     for c in counts:
         if c:
-            acc += c * np.log2(c / n)
+            acc += terms[c]
     return 1.0 + acc / (8.0 * n)
 
 
-def sample_gain(sample, *, backend: str = "auto") -> float:
-    """The share of a byte sample an order-0 coder saves, ideally (``_gain_py``)."""
-    a = np.frombuffer(sample, dtype=np.uint8)
-    if not a.size:
-        return 0.0
+@functools.lru_cache(maxsize=8)
+def _gain_terms(n: int) -> np.ndarray:
+    """c * log2(c / n) for c in 0..n (0 at c = 0)."""
+    c = np.arange(1, n + 1, dtype=np.float64)
+    return np.concatenate([np.zeros(1), c * np.log2(c / n)])
+
+
+def sample_gains(planes: np.ndarray, rows: list[int], n: int, *, backend: str = "auto") -> list[float]:
+    """The share of the first ``n`` bytes of each of ``planes``' ``rows`` (a (planes, bytes) uint8
+    array) an order-0 coder saves, ideally (``_gain_py``)."""
+    n = min(n, planes.shape[1])
+    if not n:
+        return [0.0] * len(rows)
     if _use_numba(backend):
-        return float(_sample_gain_kernel(a))
-    return float(_gain_py(np.bincount(a, minlength=256), a.size))
+        out = np.empty(len(rows), dtype=np.float64)
+        _sample_gains_kernel(planes, np.asarray(rows, dtype=np.int64), n, _gain_terms(n), out)
+        return out.tolist()
+    return [float(_gain_py(np.bincount(planes[r, :n], minlength=256), n, _gain_terms(n))) for r in rows]
 
 
 _SCRATCH_MAX = 1 << 23  # planes up to 8 MiB are split into one buffer per thread, reused
@@ -242,10 +260,12 @@ if _numba is not None:
     from .streamframe import _count_kernel  # the coders' byte count pass
 
     @_numba.njit(cache=True, nogil=True)
-    def _sample_gain_kernel(sample):  # pragma: no cover - compiled
-        counts = np.zeros(256, dtype=np.int64)
-        _count_kernel(sample, 0, counts)
-        return _gain_kernel(counts, sample.size)
+    def _sample_gains_kernel(planes, rows, n, terms, out):  # pragma: no cover - compiled
+        counts = np.empty(256, dtype=np.int64)
+        for k in range(rows.size):
+            counts[:] = 0
+            _count_kernel(planes[rows[k], :n], 0, counts)
+            out[k] = _gain_kernel(counts, n, terms)
 
     # word helpers; W (bytes a word) is a constant of each kernel below, so these unroll
     @_numba.njit(inline="always")

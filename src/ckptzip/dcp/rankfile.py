@@ -76,7 +76,7 @@ def pack(shard: ShardState, enc: Encoded, method: Method, *, step: int, rank: in
     }
     if not enc.keyframe and parent_step is None:
         raise RuntimeError("a delta needs its parent step")
-    return encode_container(manifest, blobs)
+    return encode_container(manifest, blobs, digests=enc.digests)
 
 
 @dataclass

@@ -39,6 +39,7 @@ from .. import jitcache
 from ..chain import KeyframePolicy, RetentionPolicy
 from ..configcheck import Range, check_args
 from ..errors import ConfigError, StepOrderError
+from ..format import DEFAULT_CHECKSUM
 from ..methods.base import EncodeContext, Method, get_method
 from ..methods.quantizing import QuantizingMethod
 from . import memory, meta, merge, rankfile
@@ -110,7 +111,7 @@ class CompressedWriter(StorageWriter):
         jitcache.ready(self.method.name)
         shard, ref, mem = merge.guarded(lambda: self._prepare(items, planner, world), group, "preparing the save")
         method, search_info = self._search(shard, ref, group)
-        ctx = EncodeContext(step=self.step)
+        ctx = EncodeContext(step=self.step, checksum=DEFAULT_CHECKSUM)  # rankfile.pack's containers
         t0 = time.perf_counter()
         (enc, new_ref), passes = merge.converge(lambda: method.encode(shard.flat, ref, ctx=ctx), group)
         encode_s = time.perf_counter() - t0

@@ -66,9 +66,12 @@ class Encoded:
     skeleton: object | None = None                          # stored instead of the state's skeleton (excp)
     # decoding: record -> its code stream's symbols, decoded ahead in one batch (qrecord.predecode)
     ahead: dict = field(default_factory=dict, repr=False, compare=False)
+    # blob key -> (checksum name, digest) an encoder computed while the blob was in cache (the
+    # container takes those of its own checksum instead of reading the blob again)
+    digests: dict[str, tuple[str, str]] = field(default_factory=dict, repr=False, compare=False)
 
-    def add(self, name: str, pipeline: list[str], meta: dict | None = None, **blobs: bytes) -> None:
-        """Add a record; blob keys are made unique as ``<record index>.<part>``."""
+    def add(self, name: str, pipeline: list[str], meta: dict | None = None, **blobs: bytes) -> dict[str, str]:
+        """Add a record; blob keys are made unique as ``<record index>.<part>``. Returns part -> key."""
         i = len(self.records)
         keys = {}
         for part, data in blobs.items():
@@ -76,6 +79,7 @@ class Encoded:
             self.blobs[key] = data
             keys[part] = key
         self.records[name] = {"pipeline": list(pipeline), "meta": meta or {}, "blobs": keys}
+        return keys
 
     def blob(self, name: str, part: str) -> bytes:
         try:
@@ -103,6 +107,8 @@ class EncodeContext:
                                                   # may write the next one into its buffers (CheckpointChain)
     recycle: Reference | None = None              # a keyframe's spent predecessor (with reference_spent): a
                                                   # method may write the new reference into its buffers
+    checksum: str | None = None                   # the container's blob checksum (format.CHECKSUMS): a method
+                                                  # may fill Encoded.digests with it while its blobs are in cache
 
 
 @dataclass(kw_only=True)

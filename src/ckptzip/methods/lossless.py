@@ -34,6 +34,7 @@ from ..codec import stages as S
 from ..codec.frames import ZSTD_LEVELS
 from ..configcheck import Range, check_fields
 from ..errors import CorruptCheckpointError
+from ..format import blob_digest
 from ..parallel import thread_map
 from ..state import FlatState, TensorRecord
 from ..tensorbytes import BITS_DTYPE, host, tensor_from_bytes, tensor_from_words, to_numpy_bits, torch_dtype
@@ -119,7 +120,7 @@ class LosslessMethod(Method):
             s = spare.own(name) if spare is not None else None
             return s.copy_(t) if s is not None and s.dtype == t.dtype and s.shape == t.shape else t.clone()
 
-        def one(item):  # XOR, byte planes and zstd of one tensor (threads: none of it holds the GIL)
+        def one(item):  # XOR, byte planes, zstd and checksum of one tensor (threads: none holds the GIL)
             name, t, xor = item
             p = prev.exact[name] if xor else None
             advance = reuse and xor and prev.exact.owns(name)
@@ -127,7 +128,9 @@ class LosslessMethod(Method):
                                       level=level, prev=None if p is None else to_numpy_bits(p),
                                       store_raw=praw.get(name, _guess_raw(t)) if xor else _guess_raw(t),
                                       advance=advance, min_gain=self.config.min_gain)
-            return data, p if advance else keep(name, t)
+            # the blob's checksum now, while it is in cache (read again from memory later: twice the time)
+            digest = (ctx.checksum, blob_digest(ctx.checksum, data)) if ctx.checksum else None
+            return data, digest, p if advance else keep(name, t)
 
         large, members = [], {}  # members: group key -> [(name, tensor, xor)] in record order
         for name in state.records:  # one pass: each record's parent (same dtype and shape), its blob or group
@@ -160,10 +163,12 @@ class LosslessMethod(Method):
             if name in metas:
                 enc.add(name, head + _GROUPED, metas[name])
             else:
-                data, own[name] = coded[name]
+                data, digest, own[name] = coded[name]
                 if name in xored:
                     raw_planes[name] = bytegroup.raw_planes(data)
-                enc.add(name, head + _OWN, {}, data=data)
+                key = enc.add(name, head + _OWN, {}, data=data)["data"]
+                if digest is not None:
+                    enc.digests[key] = digest
         return enc, LosslessReference(ctx.step, EncoderTensors(list(state.records), own, kept), raw_planes)
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
