@@ -128,14 +128,19 @@ def test_payload_is_the_container_in_parts_without_copies():
     assert f.read(len(GOLDEN) + 9) == GOLDEN
 
 
-def test_payload_takes_the_encoders_digests_of_its_own_checksum_only():
+def test_payload_takes_the_encoders_digests_of_its_own_checksum_and_blob_only():
     """An encoder's digests (computed while its blobs were in cache) go into the blob table where
-    they are of the container's checksum; one of another checksum is computed again."""
+    they are of the container's checksum and of the blob object it holds; any other is computed again."""
     manifest, blobs = golden.golden_container()
     k = sorted(blobs)[0]
-    other = container_payload(manifest, blobs, checksum="sha256", digests={k: ("blake3", "0" * 64)})
-    assert bytes(other) == GOLDEN
-    taken = container_payload(manifest, blobs, checksum="sha256", digests={k: ("sha256", "0" * 64)})
+    blob = blobs[k]
+    for kind, of in (("blake3", blob),                    # another checksum
+                     ("sha256", bytes(bytearray(blob)))):  # equal bytes, another object: the blob replaced since
+        assert bytes(container_payload(manifest, blobs, checksum="sha256", digests={k: (kind, "0" * 64, of)})) == GOLDEN
+    mutable = dict(blobs, **{k: bytearray(blob)})  # a buffer that can change after its digest: never taken
+    assert bytes(container_payload(manifest, mutable, checksum="sha256",
+                                   digests={k: ("sha256", "0" * 64, mutable[k])})) == GOLDEN
+    taken = container_payload(manifest, blobs, checksum="sha256", digests={k: ("sha256", "0" * 64, blob)})
     assert read_manifest(bytes(taken))["blobs"][k]["sha256"] == "0" * 64  # taken as given: the encoder's word
 
 

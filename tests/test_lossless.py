@@ -92,7 +92,8 @@ def test_encoder_digests_are_its_blobs_checksums(checksum):
     want = {enc.records["w"]["blobs"]["data"]} if checksum else set()
     assert set(enc.digests) == want
     for key in want:
-        assert enc.digests[key] == (checksum, blob_digest(checksum, enc.blobs[key]))
+        kind, value, of = enc.digests[key]
+        assert (kind, value) == (checksum, blob_digest(checksum, enc.blobs[key])) and of is enc.blobs[key]
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool])

@@ -114,19 +114,21 @@ def _header_bytes(manifest_str: str, sizes: list[tuple[str, int]], version: int 
 
 
 def container_payload(manifest: dict, blobs: dict[str, bytes], *, checksum: str = DEFAULT_CHECKSUM,
-                      digests: dict[str, tuple[str, str]] | None = None) -> Payload:
+                      digests: dict[str, tuple[str, str, bytes]] | None = None) -> Payload:
     """A manifest and its blobs as the container's parts (header, then blobs by key); blob
     checksums (``checksum``: a name in CHECKSUMS) are added to the manifest here, or taken from
-    ``digests`` (blob key -> (checksum name, digest): the encoder's, computed while the blob was in
-    cache) where its name is ``checksum``. ``bytes()`` of it is :func:`encode_container`."""
+    ``digests`` (blob key -> (checksum name, digest, the bytes object it is of): the encoder's,
+    computed while the blob was in cache) where the name is ``checksum`` and the blob is that very
+    bytes object (a blob replaced since is hashed again: a wrong checksum makes a file unloadable).
+    ``bytes()`` of it is :func:`encode_container`."""
     manifest = dict(manifest)
     version = manifest["format_version"] = CHECKSUMS[checksum]
     keys = sorted(blobs)
     digests = digests or {}
 
     def digest(k: str) -> str:
-        kind, value = digests.get(k, (None, None))
-        return value if kind == checksum else blob_digest(checksum, blobs[k])
+        kind, value, of = digests.get(k, (None, None, None))
+        return value if kind == checksum and of is blobs[k] and type(of) is bytes else blob_digest(checksum, blobs[k])
 
     manifest["blobs"] = {k: {"nbytes": len(blobs[k]), checksum: digest(k)} for k in keys}
     # the manifest keeps insertion order (no sort_keys): the skeleton's dict order is the state's key
@@ -141,7 +143,7 @@ def container_payload(manifest: dict, blobs: dict[str, bytes], *, checksum: str 
 
 
 def encode_container(manifest: dict, blobs: dict[str, bytes], *, checksum: str = DEFAULT_CHECKSUM,
-                     digests: dict[str, tuple[str, str]] | None = None) -> bytes:
+                     digests: dict[str, tuple[str, str, bytes]] | None = None) -> bytes:
     """Serialize a manifest and its blobs into one buffer (the joined :func:`container_payload`)."""
     return bytes(container_payload(manifest, blobs, checksum=checksum, digests=digests))
 

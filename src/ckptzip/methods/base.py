@@ -66,9 +66,9 @@ class Encoded:
     skeleton: object | None = None                          # stored instead of the state's skeleton (excp)
     # decoding: record -> its code stream's symbols, decoded ahead in one batch (qrecord.predecode)
     ahead: dict = field(default_factory=dict, repr=False, compare=False)
-    # blob key -> (checksum name, digest) an encoder computed while the blob was in cache (the
-    # container takes those of its own checksum instead of reading the blob again)
-    digests: dict[str, tuple[str, str]] = field(default_factory=dict, repr=False, compare=False)
+    # blob key -> (checksum name, digest, the blob) an encoder computed while the blob was in cache
+    # (format.container_payload takes those of its checksum whose blob is still that object)
+    digests: dict[str, tuple[str, str, bytes]] = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, name: str, pipeline: list[str], meta: dict | None = None, **blobs: bytes) -> dict[str, str]:
         """Add a record; blob keys are made unique as ``<record index>.<part>``. Returns part -> key."""
