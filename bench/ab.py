@@ -12,8 +12,8 @@ figure), the steady checkpoints' (2 onwards, the deltas) save over zstd-3 of the
 repetition (median [min, max]: the issue's "medians over steady-state checkpoints", paired), the
 same against a zstd-3 checkpointer that keeps its frames in the same memory store as the chain's
 files (a save's file is new memory the process must fault in; bare zstd-3 drops its frame and
-compresses the next into the pages it freed), and the paired difference (mean +- standard error). Time is thread CPU time with
-``torch.set_num_threads(1)``, as in speed.py.
+compresses the next into the pages it freed), and the paired difference (mean +- standard
+error). Time is thread CPU time with ``torch.set_num_threads(1)``, as in speed.py.
 
 The other build is checked out with ``git worktree add --detach`` into a temporary folder and
 removed after; each worker imports its own build's ``src``. The first repetition's files are

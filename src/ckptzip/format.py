@@ -128,7 +128,8 @@ def container_payload(manifest: dict, blobs: dict[str, bytes], *, checksum: str 
 
     def digest(k: str) -> str:
         kind, value, of = digests.get(k, (None, None, None))
-        return value if kind == checksum and of is blobs[k] and type(of) is bytes else blob_digest(checksum, blobs[k])
+        taken = kind == checksum and of is blobs[k] and type(of) is bytes  # bytes: it cannot change since
+        return value if taken else blob_digest(checksum, blobs[k])
 
     manifest["blobs"] = {k: {"nbytes": len(blobs[k]), checksum: digest(k)} for k in keys}
     # the manifest keeps insertion order (no sort_keys): the skeleton's dict order is the state's key
