@@ -196,8 +196,38 @@ def test_cli_jit_compiles_and_names_bad_methods(tmp_path):
     assert bad.returncode != 0 and "nosuch" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     ok = subprocess.run([sys.executable, "-m", "ckptzip", "jit", "lossless"], env=env, capture_output=True, text=True)
     assert ok.returncode == 0 and "compiled into" in ok.stdout and str(tmp_path / "numba") in ok.stdout, ok.stderr
-    stamps = [f for d in (tmp_path / "numba").iterdir() for f in os.listdir(d) if f.startswith("ckptzip-jit-lossless-")]
+    stamps = [d / f for d in (tmp_path / "numba").iterdir() for f in os.listdir(d) if f.startswith("ckptzip-jit-lossless-")]
     assert len(stamps) == 1
     off = subprocess.run([sys.executable, "-m", "ckptzip", "jit"], env={**env, jitcache.ENV: "inprocess"},
                          capture_output=True, text=True)
     assert off.returncode == 0 and "nothing to compile" in off.stdout
+    # the child sweeps the files of kernels whose line moved (an edit), and only those
+    folder = stamps[0].parent
+    compiled = {f for f in os.listdir(folder) if f.endswith((".nbi", ".nbc"))}
+    moved, other = folder / "rans._encode_kernel-1.py311.nbi", folder / "notimported.kernel-1.py311.nbi"
+    for f in (moved, other, folder / "rans._encode_kernel-1.py311.1.nbc"):
+        f.write_bytes(b"")
+    stamps[0].unlink()
+    again = subprocess.run([sys.executable, "-m", "ckptzip", "jit", "lossless"], env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    left = set(os.listdir(folder))
+    assert compiled < left and other.name in left and not {moved.name, "rans._encode_kernel-1.py311.1.nbc"} & left
+
+
+def test_stale_files_are_a_live_modules_files_of_no_live_kernel(tmp_path):
+    live = {str(tmp_path): {"bytegroup.split-10.py311", "rans.enc-5.py311"}}
+    keep = ["bytegroup.split-10.py311.nbi", "bytegroup.split-10.py311.1.nbc", "rans.enc-5.py311.nbi",
+            "other.k-3.py311.nbi", "ckptzip-jit-lossless-0123", "bytegroup.cpython-311.pyc"]
+    gone = ["bytegroup.split-7.py311.nbi", "bytegroup.split-7.py311.2.nbc", "rans.enc-50.py311.nbi"]
+    for name in keep + gone:
+        (tmp_path / name).write_bytes(b"")
+    assert sorted(jitcache._stale_files(live)) == sorted(str(tmp_path / n) for n in gone)
+    assert jitcache._stale_files({str(tmp_path / "missing"): {"x.k-1.py311"}}) == []
+
+
+@needs_numba
+def test_live_kernels_are_this_processes_cached_kernels_by_folder():
+    from ckptzip.codec import bytegroup
+
+    live = jitcache._live_kernels()
+    assert any(s.startswith("bytegroup._sample_gains_kernel-") for s in live[bytegroup._sample_gains_kernel.stats.cache_path])

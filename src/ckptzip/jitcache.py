@@ -18,7 +18,9 @@ times: ~2 ms a process), numba, Python and the CPU, says the child already ran.
 The child's failure or timeout is never the save's: a warning, and the kernels compile here as
 before. ``CKPTZIP_JIT=inprocess`` skips the child (numba-less hosts and ``NUMBA_DISABLE_JIT=1``
 skip it too). Children of several processes (ranks, an engine's agent) take a lock in the cache
-folder: one compiles, the others then load.
+folder: one compiles, the others then load. A child then deletes the cache files of this package's
+kernels whose line moved (an edit, an upgrade in place), which numba would keep forever and never
+read again; a process still running the old sources compiles those kernels itself.
 """
 from __future__ import annotations
 
@@ -231,6 +233,52 @@ def _child(methods: list[str]) -> None:
                     os.remove(os.path.join(folder, old))
             with open(stamp, "w") as f:
                 f.write("compiled\n")
+        try:
+            stale = _stale_files(_live_kernels())
+        except AttributeError:  # numba's cache objects changed shape: sweep nothing
+            stale = []
+        for path in stale:
+            try:
+                os.remove(path)
+            except OSError:  # another child swept it first
+                pass
+
+
+def _live_kernels() -> dict[str, set[str]]:
+    """numba cache folder -> the file stems (``module.qualname-line.pyXY``) of this package's
+    cached kernels as these sources define them (every kernel of the imported modules: numba makes
+    a kernel's dispatcher where it is defined, at import, before its first call)."""
+    import gc
+
+    from numba.core.dispatcher import Dispatcher
+
+    live: dict[str, set[str]] = {}
+    for o in gc.get_objects():
+        if isinstance(o, Dispatcher) and o.py_func.__module__.startswith(f"{__package__}."):
+            index = getattr(o._cache, "_cache_file", None)  # None: a kernel without cache=True
+            if index is not None:
+                live.setdefault(o._cache._cache_path, set()).add(index._index_name.removesuffix(".nbi"))
+    return live
+
+
+def _stale_files(live: dict[str, set[str]]) -> list[str]:
+    """The index (.nbi) and code (.nbc) files in ``live``'s folders that belong to a module with a
+    live kernel there but to none of its stems: a kernel whose line moved (an edit, an upgrade in
+    place) leaves its old files, which numba never reads again (a development tree had gathered
+    ~450 of them, 25 MB). Files of modules this process did not import stay."""
+    stale = []
+    for folder, stems in live.items():
+        modules = {s.split(".", 1)[0] for s in stems}
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            stem = name.removesuffix(".nbi") if name.endswith(".nbi") else (
+                name.rsplit(".", 2)[0] if name.endswith(".nbc") else None)  # stem.N.nbc
+            if stem is not None and stem.split(".", 1)[0] in modules and stem not in stems:
+                stale.append(os.path.join(folder, name))
+    return stale
 
 
 if __name__ == "__main__":
