@@ -254,7 +254,8 @@ def _live_kernels() -> dict[str, set[str]]:
 
     live: dict[str, set[str]] = {}
     for o in gc.get_objects():
-        if isinstance(o, Dispatcher) and o.py_func.__module__.startswith(f"{__package__}."):
+        # the type, not isinstance: that reads __class__, which some objects answer with a warning
+        if issubclass(type(o), Dispatcher) and o.py_func.__module__.startswith(f"{__package__}."):
             index = getattr(o._cache, "_cache_file", None)  # None: a kernel without cache=True
             if index is not None:
                 live.setdefault(o._cache._cache_path, set()).add(index._index_name.removesuffix(".nbi"))
