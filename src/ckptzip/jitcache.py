@@ -246,8 +246,8 @@ def _child(methods: list[str]) -> None:
 
 def _live_kernels() -> dict[str, set[str]]:
     """numba cache folder -> the file stems (``module.qualname-line.pyXY``) of this package's
-    cached kernels as these sources define them (every kernel of the imported modules: numba makes
-    a kernel's dispatcher where it is defined, at import, before its first call)."""
+    cached kernels as these sources define them: every kernel the imported modules define at their
+    import (a kernel made later, inside a call, would be swept as stale: this package makes none)."""
     import gc
 
     from numba.core.dispatcher import Dispatcher

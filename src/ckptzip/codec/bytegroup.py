@@ -137,7 +137,7 @@ def _probed_raw(planes: np.ndarray, store_raw: Collection[int], min_gain: float 
     where the byte histogram of the first PROBE_BYTES promises less than ``min_gain`` (plus what it
     over-promises, ``_PROBE_BIAS``; and 1 %). zstd's frames of a plane are Huffman-coded literals
     (matches of 7+ bytes are rare in numbers), so the order-0 entropy tells what zstd would save: a
-    histogram costs ~1 us where a zstd probe of 4 KiB cost ~7 us, and a small chain's delta probes
+    histogram costs ~2 us where a zstd probe of 4 KiB cost ~7 us, and a small chain's delta probes
     ~150 planes (one kernel call a tensor: a call a plane cost more than its histogram). Every save
     probes, so a plane that becomes compressible is caught at once."""
     if planes.shape[1] <= PROBE_BYTES:
