@@ -70,7 +70,7 @@ def main(workloads=DEFAULT_WORKLOADS, methods=None, failures: int | None = None,
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - EngineOptions().threads))
     trainer_threads = torch.get_num_threads()
     try:
-        _compile_kernels(chosen)
+        _warm_up(chosen)
         results = _runs(workloads, chosen, methods, failures, full, paced, threshold, async_save, console)
     finally:
         torch.set_num_threads(threads)
@@ -83,7 +83,7 @@ def main(workloads=DEFAULT_WORKLOADS, methods=None, failures: int | None = None,
     return results
 
 
-def _compile_kernels(methods) -> None:
+def _warm_up(methods) -> None:
     """Save and load a small Adam state (with a config search) once per method before anything is
     timed. The chains' first saves wait for their methods' kernels to compile in a child process
     (jitcache.py; a fresh clone's first workload would otherwise carry the compile: measured before,

@@ -129,7 +129,7 @@ class LosslessMethod(Method):
                                       store_raw=praw.get(name, _guess_raw(t)) if xor else _guess_raw(t),
                                       advance=advance, min_gain=self.config.min_gain)
             # the blob's checksum now, while it is in cache (read again from memory later: twice the time)
-            digest = (ctx.checksum, blob_digest(ctx.checksum, data), data) if ctx.checksum else None
+            digest = blob_digest(ctx.checksum, data) if ctx.checksum else None
             return data, digest, p if advance else keep(name, t)
 
         large, members = [], {}  # members: group key -> [(name, tensor, xor)] in record order
@@ -168,7 +168,7 @@ class LosslessMethod(Method):
                     raw_planes[name] = bytegroup.raw_planes(data)
                 key = enc.add(name, head + _OWN, {}, data=data)["data"]
                 if digest is not None:
-                    enc.digests[key] = digest
+                    enc.digests[key] = ctx.checksum, digest, data
         return enc, LosslessReference(ctx.step, EncoderTensors(list(state.records), own, kept), raw_planes)
 
     def decode(self, records: dict[str, TensorRecord], encoded: Encoded, reference: Reference | None,
