@@ -32,7 +32,8 @@ _GRID = ["moment-grid/1, cyclic-delta/1?, tuple/1?, {ans|rans}/1" + _B,  # M.10
 _GRID_KEYFRAMES = ["moment-grid/1, tuple/1?, {ans|rans}/1" + _B, "moment-direction/1, tuple/1?, {ans|rans}/1" + _B,
                    "moment-direction/1"]
 DOCUMENTED: dict[str, list[str]] = {
-    "lossless": ["lossless/1, bytegroup/1", "lossless/1, xor/1, bytegroup/1", "lossless/1, xor/1?, group/1, bytegroup/1"],
+    "lossless": [p + v for p in ("lossless/1, ", "lossless/1, xor/1, ", "lossless/1, xor/1?, group/1, ")
+                 for v in ("bytegroup/1", "bytegroup/2")],  # /2: a blob with sparse planes
     "dynaquant": _EXACT_DELTAS + [p + _B for p in (
         "dynaquant/1, rle/1?, {huffman|ans|rans|zstd-ints}/1",
         "dynaquant/1, cyclic-delta/1, rearrange/1?, rle/1?, {huffman|ans|rans|zstd-ints}/1",

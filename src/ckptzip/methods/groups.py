@@ -131,8 +131,8 @@ class _Group:
 class GroupWriter:
     """Collects small records' words per group blob; ``flush`` compresses each blob once."""
 
-    def __init__(self, level: int = 3, min_gain: float = 0.0):
-        self.level, self.min_gain = level, min_gain  # bytegroup.compress's
+    def __init__(self, level: int = 3, min_gain: float = 0.0, sparse: bool = False):
+        self.level, self.min_gain, self.sparse = level, min_gain, sparse  # bytegroup.compress's
         self._groups: dict[str, _Group] = {}
 
     def add(self, t: torch.Tensor, parent: torch.Tensor | None = None) -> dict:
@@ -174,7 +174,8 @@ class GroupWriter:
                 parent = join_words([q if q is not None else torch.zeros(t.numel(), dtype=t.dtype)
                                      for t, q in zip(g.tensors, g.parents)])
             enc.blobs[key] = bytegroup.compress(words, width, float_bits=is_float, level=self.level, prev=parent,
-                                                store_raw=(raw_planes or {}).get(key, ()), min_gain=self.min_gain)
+                                                store_raw=(raw_planes or {}).get(key, ()), min_gain=self.min_gain,
+                                                sparse=self.sparse)
             out[key] = words
         self._groups.clear()
         return out

@@ -1,8 +1,9 @@
 """Method ``lossless``: bit-exact. Byte-grouped planes + zstd; deltas XOR the previous bits.
 
 Between consecutive checkpoints most weights move by a few ulps, so the XOR of their bit patterns
-has long runs of zero high bits -- the sign/exponent plane becomes almost all zeros and zstd
-removes it. The reference is the previous checkpoint's exact tensors.
+has long runs of zero high bits -- the sign/exponent plane becomes mostly zeros, stored as its
+nonzero mask and nonzero bytes (``sparse_planes``, stage ``bytegroup/2``) -- and zstd removes it.
+The reference is the previous checkpoint's exact tensors.
 
 Small records (under ``group_below`` bytes: biases, norms, scalars) are not compressed one by one
 (four zstd frames and a checksum each would cost more than their bytes): their words, each XORed
@@ -49,6 +50,10 @@ class LosslessConfig:
     # shrink 4-8 % at ~50 KB saved per ms of zstd (docs/BENCHMARKS.md, "Batched code streams, the auto
     # coder, plane probes"); 0 keeps every gain zstd finds
     min_gain: float = 0.1
+    # planes at most half nonzero (a delta's exponent plane) stored as a mask and the nonzero bytes
+    # (stage bytegroup/2: faster and smaller, docs/BENCHMARKS.md "Sparse exponent planes"); False:
+    # every plane one frame or raw, as before (bytegroup/1 only)
+    sparse_planes: bool = True
 
     def __post_init__(self):
         check_fields(self, zstd_level=ZSTD_LEVELS, min_gain=Range(ge=0.0, lt=1.0))
@@ -92,7 +97,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 _PLAIN = [S.LOSSLESS.descriptor]
 _XOR = [S.LOSSLESS.descriptor, S.XOR.descriptor]
-_OWN, _GROUPED = [S.BYTEGROUP.descriptor], [S.GROUP.descriptor, S.BYTEGROUP.descriptor]
+
+
+def _stored(blob: bytes) -> list[str]:
+    """The byte-grouped stage of ``blob``: bytegroup/2 only where it holds sparse planes (what a
+    reader must know to decode it)."""
+    return [(S.BYTEGROUP_SPARSE if bytegroup.is_sparse(blob) else S.BYTEGROUP).descriptor]
 
 
 @register
@@ -106,7 +116,7 @@ class LosslessMethod(Method):
     def encode(self, state: FlatState, reference: Reference | None, *, ctx: EncodeContext) -> tuple[Encoded, Reference]:
         prev = reference if isinstance(reference, LosslessReference) else None
         enc = Encoded(keyframe=prev is None)
-        level = self.config.zstd_level
+        level, sparse = self.config.zstd_level, self.config.sparse_planes
         praw = prev.raw_planes if prev is not None else {}
 
         # a spent writer's reference holds its own copies of the large records: the new bits overwrite
@@ -127,7 +137,7 @@ class LosslessMethod(Method):
             data = bytegroup.compress(to_numpy_bits(t), t.element_size(), float_bits=t.is_floating_point(),
                                       level=level, prev=None if p is None else to_numpy_bits(p),
                                       store_raw=praw.get(name, _guess_raw(t)) if xor else _guess_raw(t),
-                                      advance=advance, min_gain=self.config.min_gain)
+                                      advance=advance, min_gain=self.config.min_gain, sparse=sparse)
             # the blob's checksum now, while it is in cache (read again from memory later: twice the time)
             digest = blob_digest(ctx.checksum, data) if ctx.checksum else None
             return data, digest, p if advance else keep(name, t)
@@ -146,7 +156,7 @@ class LosslessMethod(Method):
             pg = prev.groups.get(key) if prev is not None else None
             if pg is not None and all(x for _, _, x in items) and pg.names == tuple(n for n, _, _ in items):
                 whole[key] = pg.words
-        groups, metas = GroupWriter(level, self.config.min_gain), {}
+        groups, metas = GroupWriter(level, self.config.min_gain, sparse), {}
         for key, items in members.items():
             for name, t, xor in items:
                 metas[name] = groups.add(t, prev.exact[name] if xor and key not in whole else None)
@@ -157,16 +167,16 @@ class LosslessMethod(Method):
         coded = dict(zip((n for n, _, _ in large), thread_map(one, large)))
         xored = {n for items in members.values() for n, _, x in items if x} | {n for n, _, x in large if x}
         raw_planes = {} if prev is None else {k: bytegroup.raw_planes(enc.blobs[k]) for k in kept}
-        own = {}
+        own, grouped = {}, {key: [S.GROUP.descriptor, *_stored(enc.blobs[key])] for key in kept}
         for name in state.records:  # records in the state's order
             head = _XOR if name in xored else _PLAIN
             if name in metas:
-                enc.add(name, head + _GROUPED, metas[name])
+                enc.add(name, head + grouped[metas[name]["group"][0]], metas[name])
             else:
                 data, digest, own[name] = coded[name]
                 if name in xored:
                     raw_planes[name] = bytegroup.raw_planes(data)
-                key = enc.add(name, head + _OWN, {}, data=data)["data"]
+                key = enc.add(name, head + _stored(data), {}, data=data)["data"]
                 if digest is not None:
                     enc.digests[key] = ctx.checksum, digest, data
         return enc, LosslessReference(ctx.step, EncoderTensors(list(state.records), own, kept), raw_planes)
