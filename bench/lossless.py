@@ -16,6 +16,9 @@ Rows (ratio = raw tensor bytes / stored bytes; key = keyframes, delta = the othe
                    decode = container parse + method.decode, in save order (each delta decoded
                    once from the previous result, as a sequential restore does)
   lossless (blobs) the same run counting only the blobs (no manifest), comparable to the rows below
+  lossless, no sparse
+                   lossless (files) with ``sparse_planes=False``: every byte plane one zstd frame
+                   or raw (stage bytegroup/1 only, the writer before sparse planes)
   bytegroup        every checkpoint a keyframe (byte grouping + zstd-3, no XOR), blobs only
   zstd-3 raw       zstd level 3 of each checkpoint's raw tensor bytes concatenated, one frame
 MB/s are raw tensor MB (1e6 bytes) per second of wall time, single process, --threads torch
@@ -35,7 +38,7 @@ import zstandard
 from ckptzip.codec import bytegroup
 from ckptzip.format import decode_container, encode_container
 from ckptzip.methods.base import DecodeContext, EncodeContext, Encoded
-from ckptzip.methods.lossless import LosslessMethod
+from ckptzip.methods.lossless import LosslessConfig, LosslessMethod
 from ckptzip.state import TensorRecord, flatten_state
 from ckptzip.tensorbytes import tensor_from_bytes, tensor_to_bytes
 
@@ -94,8 +97,8 @@ def best_of(repeats: int, fn):
     return best, result
 
 
-def run_lossless(states, every: int, repeats: int):
-    m = LosslessMethod()
+def run_lossless(states, every: int, repeats: int, **config):
+    m = LosslessMethod(LosslessConfig(**config))
 
     def encode():
         files, ref = [], None
@@ -176,8 +179,10 @@ def table(name: str, states, every: int, repeats: int) -> list[str]:
     total = sum(raw)
     rows = []
     files, blobs, t_enc, t_dec = run_lossless(states, every, repeats)
+    dense, _, d_enc, d_dec = run_lossless(states, every, repeats, sparse_planes=False)
     for label, (sizes, t_enc, t_dec) in [("lossless (files)", (files, t_enc, t_dec)),
                                          ("lossless (blobs)", (blobs, t_enc, t_dec)),
+                                         ("lossless, no sparse", (dense, d_enc, d_dec)),
                                          ("bytegroup (no XOR)", run_bytegroup(states, repeats)),
                                          ("zstd-3 raw bytes", run_zstd(states, repeats))]:
         key = [(r, s) for r, (kf, s) in zip(raw, sizes) if kf]
