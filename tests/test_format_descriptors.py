@@ -22,7 +22,8 @@ from ckptzip.format import decode_container
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "FORMAT.md"
 
-_EXACT = ["exact/1, bytegroup/1", "exact/1, raw/1"]
+_EXACT_V01 = ["exact/1, bytegroup/1", "exact/1, raw/1"]
+_EXACT = _EXACT_V01[:1] + ["exact/1, bytegroup/2"] + _EXACT_V01[1:]  # /2: a tensor of segments (FORMAT.md 5)
 _EXACT_Q = _EXACT + ["exact/1, group/1, bytegroup/1"]  # the quantizing methods group small exact records (M.1)
 _EXACT_DELTAS = _EXACT_Q + ["exact/1, same/1"]  # the quantizing template's delta files (M.1)
 _EXCP_CODES = ["excp-codes/2, {ans|huffman}/1", "excp-codes/2, bitpack/1, {xz|zstd-frame}/1"]
@@ -43,11 +44,11 @@ DOCUMENTED: dict[str, list[str]] = {
                                             "qd/1, residual/1, huffman/1")] + _GRID,
     "cnr": _EXACT_Q + ["cnr/1, huffman/1" + _B] + _GRID_KEYFRAMES,
     "gobo": _EXACT_Q + ["gobo/1, huffman/1" + _B] + _GRID_KEYFRAMES,
-    "bitsnap": _EXACT + ["bitsnap/1, bitmask/1", "bitsnap/1, bitmask/1, bytegroup/1",
+    "bitsnap": _EXACT + ["bitsnap/1, bitmask/1", "bitsnap/1, bitmask/1, bytegroup/1", "bitsnap/1, bitmask/1, bytegroup/2",
                          "bitsnap/1, bitmask/1, zstd-frame/1", "bitsnap/1, cluster8/1",
                          "bitsnap/1, cluster8/1, zero-if/1"],
     "bitsnap-lossless": _EXACT + ["bitsnap/1, bitmask/1", "bitsnap/1, bitmask/1, bytegroup/1",
-                                  "bitsnap/1, bitmask/1, zstd-frame/1"],
+                                  "bitsnap/1, bitmask/1, bytegroup/2", "bitsnap/1, bitmask/1, zstd-frame/1"],
     "excp": ["exact/1, span/1", "excp-residual/1, excp-tensor/2, span/1", "joint/1", "excp-base/1"],
     "excp-fixed": _EXACT + ["exact/1, span/1"] + [f"{first}{tail}" for first in
                                                    ("excp-residual/1, excp-tensor/2", "kmeans-nonzero/1", "joint/1")
@@ -57,20 +58,20 @@ DOCUMENTED: dict[str, list[str]] = {
 _V1_CODERS = "{ans|huffman|xz|zstd}/1"
 DOCUMENTED_V01: dict[str, list[str]] = {
     **{m: [p.removesuffix(_B) for p in DOCUMENTED[m] if not p.startswith("moment-") and "residual/1" not in p
-           and "same/1" not in p and ", group/1" not in p]
+           and "same/1" not in p and ", group/1" not in p and "bytegroup/2" not in p]
        for m in ("qd", "cnr", "gobo")},
     "lossless": ["lossless/1, bytegroup/1", "lossless/1, xor/1, bytegroup/1"],
-    "dynaquant": _EXACT + ["dynaquant/1, rle/1?, {huffman|ans|zstd}/1",
-                           "dynaquant/1, cyclic-delta/1, rearrange/1?, rle/1?, {huffman|ans|zstd}/1"],
-    "bitsnap": _EXACT + ["bitsnap/1, bitmask/1", "bitsnap/1, bitmask/1, bytegroup/1", "bitsnap/1, bitmask/1, zstd/1",
-                         "bitsnap/1, cluster8/1", "bitsnap/1, cluster8/1, zero-if/1"],
-    "bitsnap-lossless": _EXACT + ["bitsnap/1, bitmask/1", "bitsnap/1, bitmask/1, bytegroup/1",
-                                  "bitsnap/1, bitmask/1, zstd/1"],
+    "dynaquant": _EXACT_V01 + ["dynaquant/1, rle/1?, {huffman|ans|zstd}/1",
+                               "dynaquant/1, cyclic-delta/1, rearrange/1?, rle/1?, {huffman|ans|zstd}/1"],
+    "bitsnap": _EXACT_V01 + ["bitsnap/1, bitmask/1", "bitsnap/1, bitmask/1, bytegroup/1",
+                             "bitsnap/1, bitmask/1, zstd/1", "bitsnap/1, cluster8/1", "bitsnap/1, cluster8/1, zero-if/1"],
+    "bitsnap-lossless": _EXACT_V01 + ["bitsnap/1, bitmask/1", "bitsnap/1, bitmask/1, bytegroup/1",
+                                      "bitsnap/1, bitmask/1, zstd/1"],
     "excp": ["raw/1, xz/1", "excp-residual/1, excp-tensor/1, xz/1", "excp-tensor/1, xz/1", "excp-base/1"],
-    "excp-fixed": _EXACT + ["raw/1, {xz|zstd}/1", "excp-residual/1, excp-tensor/1",
-                            f"excp-residual/1, excp-tensor/1, excp-codes/1, {_V1_CODERS}", "kmeans-nonzero/1",
-                            f"kmeans-nonzero/1, excp-codes/1, {_V1_CODERS}", "excp-tensor/1",
-                            f"excp-tensor/1, excp-codes/1, {_V1_CODERS}"],
+    "excp-fixed": _EXACT_V01 + ["raw/1, {xz|zstd}/1", "excp-residual/1, excp-tensor/1",
+                                f"excp-residual/1, excp-tensor/1, excp-codes/1, {_V1_CODERS}", "kmeans-nonzero/1",
+                                f"kmeans-nonzero/1, excp-codes/1, {_V1_CODERS}", "excp-tensor/1",
+                                f"excp-tensor/1, excp-codes/1, {_V1_CODERS}"],
 }
 GOLDEN_V01 = Path(__file__).resolve().parent / "data" / "golden_methods_v1"
 # descriptors that need a parent: never in a keyframe file (the sentence above the table)
@@ -125,7 +126,7 @@ def expected_parts(record: dict) -> set[str]:
     if pipe[:2] == ["bitsnap/1", "bitmask/1"]:
         if meta["kind"] == "same":
             return set()
-        if pipe[2:] == ["bytegroup/1"]:
+        if pipe[2:] in (["bytegroup/1"], ["bytegroup/2"]):
             return {"values", "mask"} if meta["kind"] == "bitmask" else {"values"}
         return {"payload"}
     return set()  # excp / excp-fixed records point into the shared blobs

@@ -591,7 +591,7 @@ def test_sparse_planes_layout_and_when_a_plane_is_sparse():
     words, prev = _sparse_delta()
     dense = bytegroup.compress(words, 4, prev=prev, store_raw=(1, 2, 3), min_gain=0.1)
     blob = bytegroup.compress(words, 4, prev=prev, store_raw=(1, 2, 3), min_gain=0.1, sparse=True)
-    assert not bytegroup.is_sparse(dense) and bytegroup.is_sparse(blob)
+    assert bytegroup.stage(dense) == "bytegroup/1" and bytegroup.stage(blob) == "bytegroup/2"
     assert blob[1] == 1 | 2 and blob[26] == 0b0001 and len(blob) < len(dense)
     assert bytegroup.raw_planes(blob) == bytegroup.raw_planes(dense)
     assert np.array_equal(bytegroup.decompress_words(blob, prev), words)
@@ -608,15 +608,15 @@ def test_sparse_planes_layout_and_when_a_plane_is_sparse():
     assert np.array_equal(mask, np.packbits(want != 0)) and np.array_equal(nonzero, want[want != 0])
     assert nonzero.size < 0.5 * words.size
     # not sparse: a keyframe's exponents (no zeros), a short plane, a plane half nonzero
-    assert not bytegroup.is_sparse(bytegroup.compress(words, 4, sparse=True))
+    assert bytegroup.stage(bytegroup.compress(words, 4, sparse=True)) == "bytegroup/1"
     short = bytegroup.SPARSE_MIN - 1
     assert bytegroup.compress(words[:short], 4, prev=prev[:short], sparse=True) == \
         bytegroup.compress(words[:short], 4, prev=prev[:short])
     half = np.zeros(8192, np.uint8)
     half[::2] = 1
     half[1:64:2] = 3  # a little over half nonzero
-    assert not bytegroup.is_sparse(bytegroup.compress(half.tobytes(), 1, sparse=True))
-    assert bytegroup.is_sparse(bytegroup.compress(half[:-64].tobytes() + bytes(64), 1, sparse=True))
+    assert bytegroup.stage(bytegroup.compress(half.tobytes(), 1, sparse=True)) == "bytegroup/1"
+    assert bytegroup.stage(bytegroup.compress(half[:-64].tobytes() + bytes(64), 1, sparse=True)) == "bytegroup/2"
     assert bytegroup.compress_sparse(words, 4, prev=prev) == bytegroup.compress(words, 4, prev=prev, sparse=True)
 
 
@@ -657,7 +657,7 @@ def test_sparse_blob_is_pinned():
     data = Path(__file__).resolve().parent / "data"
     words, prev = _sparse_delta(9000, seed=5)
     pinned = (data / "bytegroup_sparse_v2.bin").read_bytes()
-    assert bytegroup.is_sparse(pinned)
+    assert bytegroup.stage(pinned) == "bytegroup/2"
     assert np.array_equal(bytegroup.decompress_words(pinned, prev), words)
     import zstandard
 
@@ -681,10 +681,82 @@ def test_lossless_writes_bytegroup_2_only_where_a_blob_is_sparse(digits_snapshot
             for name, r in enc.records.items():
                 stage = r["pipeline"][-1]
                 key = r["meta"]["group"][0] if "group" in r["meta"] else r["blobs"]["data"]
-                assert stage == ("bytegroup/2" if bytegroup.is_sparse(enc.blobs[key]) else "bytegroup/1"), name
+                assert stage == bytegroup.stage(enc.blobs[key]), name
                 stages.add(stage)
             tensors, ref = m.decode(flat.records, enc, ref, ctx=DecodeContext(step=i))
             assert all(bits_equal(tensors[n], t) for n, t in flat.tensors.items()), i
         out[sparse] = (stages, sum(len(b) for _, enc in run[1:] for b in enc.blobs.values()))
     assert out[True][0] == {"bytegroup/1", "bytegroup/2"} and out[False][0] == {"bytegroup/1"}
     assert out[True][1] < out[False][1]
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_segments_round_trip_with_parent_advance_and_sparse_planes(width, monkeypatch):
+    """A tensor of more than SEGMENT_WORDS words is stored as segments (here 1,000 words each; in
+    use 2**30, where a plane's u32 length would overflow): every segment's words decode, XORed with
+    the matching slice of the parent, ``advance`` moves the whole parent, and the blob is
+    bytegroup/2 (each segment but the last flags another)."""
+    monkeypatch.setattr(bytegroup, "SEGMENT_WORDS", 1000)
+    dtype = bytegroup._UINT[width]
+    rng = np.random.default_rng(width)
+    prev = rng.integers(0, 2**63, 2500, dtype=np.uint64).view(dtype)[:2500].copy()
+    words = prev.copy()
+    words[::7] ^= dtype(1)  # a delta: a few low bits changed
+    for kw in ({}, {"sparse": True}, {"store_raw": (1,), "min_gain": 0.1}):
+        blob = bytegroup.compress(words, width, prev=prev, float_bits=width > 1, **kw)
+        assert bytegroup.stage(blob) == "bytegroup/2"
+        assert np.array_equal(bytegroup.decompress_words(blob, prev), words)
+        assert bytegroup.decompress(bytegroup.compress(words, width)) == words.astype(bytegroup._LE[width]).tobytes()
+        flags, pos = [], 0
+        while pos < len(blob):  # walk the segments by their headers
+            w, f, n = struct.unpack_from("<BBQ", blob, pos)
+            lens = struct.unpack_from(f"<{w}I", blob, pos + 10)
+            flags.append(f & 4)
+            pos += 10 + 4 * w + (1 if f & 2 else 0) + sum(ln & ~(1 << 31) for ln in lens)
+        assert flags == [4, 4, 0] and pos == len(blob)
+    held = bytearray(prev.tobytes())
+    blob = bytegroup.compress(words, width, prev=held, advance=True, float_bits=width > 1)
+    assert bytes(held) == words.tobytes() and np.array_equal(bytegroup.decompress_words(blob, prev), words)
+    with pytest.raises(CorruptCheckpointError, match="parent"):
+        bytegroup.decompress_words(blob, prev[:-1])
+    with pytest.raises(CorruptCheckpointError, match="parent"):
+        bytegroup.decompress_words(blob, np.concatenate([prev, prev[:1]]))
+
+
+def test_segment_corruption_only_typed_errors(monkeypatch):
+    monkeypatch.setattr(bytegroup, "SEGMENT_WORDS", 1000)
+    words, prev = _sparse_delta(2500)
+    blob = bytegroup.compress(words, 4, prev=prev, sparse=True)
+    for cut in range(0, len(blob), 11):
+        with pytest.raises(CorruptCheckpointError):
+            bytegroup.decompress(blob[:cut])
+    with pytest.raises(CorruptCheckpointError, match="trailing"):
+        bytegroup.decompress(blob + b"\0" * 30)
+    first = bytegroup.compress(words[:1000], 4, prev=prev[:1000], sparse=True)
+    assert blob[1] & 4 and not first[1] & 4 and blob[2:len(first)] == first[2:]  # the first segment, flagged
+    with pytest.raises(CorruptCheckpointError, match="trailing"):
+        bytegroup.decompress(first[:1] + bytes((first[1],)) + first[2:] + blob[len(first):])  # no "more" flag
+    other = bytegroup.compress(np.zeros(1500, np.uint16), 2, float_bits=False)  # another width follows
+    with pytest.raises(CorruptCheckpointError, match="disagree"):
+        bytegroup.decompress(blob[:len(first)] + other)
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        bytegroup.decompress(blob[:len(first)])  # flagged, and nothing follows
+
+
+def test_a_chain_of_tensors_in_segments_restores_exactly(digits_snapshots, monkeypatch, tmp_path):
+    """A lossless chain and a dynaquant one storing every tensor exact (``min_numel`` above them all)
+    whose tensors span several segments (SEGMENT_WORDS lowered to 3,000 words): every step restores
+    bit for bit, and the records of segments say bytegroup/2."""
+    from ckptzip import CheckpointChain
+
+    monkeypatch.setattr(bytegroup, "SEGMENT_WORDS", 3000)
+    _, _, snaps, _ = digits_snapshots
+    for method, config in (("lossless", None), ("dynaquant", {"quantizer": {"min_numel": 10**9}})):
+        chain = CheckpointChain(tmp_path / method, method, config)
+        for i, s in enumerate(snaps[:3]):
+            chain.save({"model": s.model, "optimizer": s.optimizer}, i + 1)
+        for i, s in enumerate(snaps[:3]):
+            got = chain.restore(i + 1).state
+            assert all(bits_equal(got["model"][k], v) for k, v in s.model.items()), (method, i)
+        stages = {tuple(r["pipeline"]) for r in chain.manifest(1)["records"].values()}
+        assert (("lossless/1", "bytegroup/2") if method == "lossless" else ("exact/1", "bytegroup/2")) in stages

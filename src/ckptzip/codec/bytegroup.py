@@ -15,16 +15,20 @@ sparse (bit i of the marks byte): ``u32 m | zstd frame of its nonzero mask (m by
 byte, first byte in the top bit, np.packbits' order) | zstd frame of its nonzero bytes in order``.
 zstd's time goes with the bytes it scans, and a plane 70 % zeros in short runs is mostly literals:
 the two frames of its 1/8-size mask and its nonzero bytes take half the time of one over the plane,
-and are ~11 % smaller (docs/BENCHMARKS.md, "Sparse exponent planes").
+and are ~25 % smaller (docs/BENCHMARKS.md, "Sparse exponent planes"). A tensor of more than
+SEGMENT_WORDS words is stored as segments of that many words, each a blob as above, back to back,
+all but the last with flags bit 2 set (also ``bytegroup/2``): a plane's u32 length could not hold
+2 GiB, and such blobs, written before segments, were unreadable.
 
 Planes are zstd frames compressed with ``frames.zstd_compress(plane=True)`` (the level's match
 finder narrowed to long matches: faster and smaller on planes); ``plane=False`` is the plain-level
 reference. Both are standard zstd frames: the reader does not know which wrote them.
 
-Decode recipe: read the header; per plane, take the raw bytes, decompress its frame, or (marked
-sparse) decompress the mask and then as many nonzero bytes as the mask has bits set, and put them
-back where the mask says (:func:`sparse_merge`); interleave the planes into words, rotate right by
-one bit when flagged, XOR the parent's words back in for a delta.
+Decode recipe, per segment: read the header; per plane, take the raw bytes, decompress its frame,
+or (marked sparse) decompress the mask and then the nonzero bytes, and put them back where the
+mask says (:func:`sparse_merge`); interleave the planes into words, rotate right by one bit when
+flagged, XOR the parent's words back in for a delta; while flags bit 2 says so, the next segment's
+words follow.
 
 Speed: splitting words into planes (and, for a delta, XOR with the previous words, and with
 ``advance`` the store of the new words over them) is one numba pass (``backend="auto"``); the numpy
@@ -43,6 +47,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError
 from .frames import zstd_compress, zstd_decompress
+from . import stages as S
 from .scratch import scratch
 
 try:  # optional fast path; the numpy reference is always available
@@ -52,7 +57,8 @@ except ImportError:  # pragma: no cover
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _RAW = 1 << 31
-_ROTATED, _SPARSE = 1, 2  # flags
+_ROTATED, _SPARSE, _MORE = 1, 2, 4  # flags
+SEGMENT_WORDS = 1 << 30  # words a segment holds at most: its planes' u32 lengths (bit 31: raw) stay below 2**31
 SPARSE_SHARE = 0.5   # a plane at most this share of whose bytes are nonzero is stored sparse (where asked)
 SPARSE_MIN = 1 << 12  # ... if it has this many bytes: below, two frames' headers cost what the split saves
 _SAMPLE_SHARE = 0.6  # a plane whose first PROBE_BYTES are more nonzero than this is not split at all
@@ -118,21 +124,36 @@ def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, le
     into memory it holds already), in the split's pass; ``min_gain``: a plane zstd shrinks by less
     than this share is stored raw (0: any gain is kept), judged on the probe for a predicted one;
     ``sparse``: a plane zstd compresses may be stored sparse (module docstring; a blob with one is
-    stage ``bytegroup/2``, :func:`is_sparse`)."""
+    stage ``bytegroup/2``, :func:`stage`)."""
     raw = memoryview(raw).cast("B")
     if width not in _UINT or len(raw) % width:
         raise ValueError(f"byte grouping needs a width in {sorted(_UINT)} dividing the data, got {width}")
-    if prev is not None:
-        prev = held = memoryview(prev).cast("B")
+    held = None if prev is None else memoryview(prev).cast("B")
+    if held is not None and len(held) != len(raw):
+        raise ValueError(f"prev has {len(held) // width} words, raw {len(raw) // width}")
+    opts = (float_bits, level, plane, store_raw, advance, min_gain, sparse)
+    step = SEGMENT_WORDS * width
+    if len(raw) <= step:
+        return b"".join(_segment(raw, width, held, False, False, *opts))
+    parts = []  # each segment's raw planes are views of its own planes array until the one join
+    for o in range(0, len(raw), step):
+        parts += _segment(raw[o:o + step], width, None if held is None else held[o:o + step],
+                          o + step < len(raw), True, *opts)
+    return b"".join(parts)
+
+
+def _segment(raw: memoryview, width: int, held: memoryview | None, more: bool, fresh: bool, float_bits: bool,
+             level: int, plane: bool, store_raw: Collection[int], advance: bool, min_gain: float,
+             sparse: bool) -> list:
+    """One segment's parts (header, marks, planes; raw planes as views of the planes array: of this
+    thread's reused buffer unless ``fresh``); ``more``: another segment follows. The rest as compress's."""
     words = _words(raw, width)
-    if prev is not None:
-        prev = _words(prev, width)
-        if prev.size != words.size:
-            raise ValueError(f"prev has {prev.size} words, raw {words.size}")
+    prev = None if held is None else _words(held, width)
     rotate = bool(float_bits and width > 1)
     # (width, n): MSB first; ``advance`` writes the words into ``prev`` where it is the held buffer itself
     fused = advance and prev is not None and sys.byteorder == "little"  # prev is then a view of held
-    planes = split_planes(words, rotate, prev, out=_planes_buffer(width, len(words)), advance=fused)
+    out = np.empty((width, len(words)), np.uint8) if fresh else _planes_buffer(width, len(words))
+    planes = split_planes(words, rotate, prev, out=out, advance=fused)
     if advance and prev is not None and not fused:
         held[:] = raw  # bytes for bytes: the words' order on this host does not matter
     keep_raw = _probed_raw(planes, store_raw, min_gain)
@@ -147,8 +168,9 @@ def compress(raw: bytes | memoryview, width: int, *, float_bits: bool = True, le
         parts.append(c)
         marks |= (s is not None) << i
     lens = [len(c) | (_RAW if isinstance(c, memoryview) else 0) for c in parts]
-    head = struct.pack(f"<BBQ{width}I", width, int(rotate) | (_SPARSE if marks else 0), len(words), *lens)
-    return b"".join([head, bytes((marks,)) if marks else b"", *parts])  # copies the raw planes out of the planes buffer
+    flags = int(rotate) | (_SPARSE if marks else 0) | (_MORE if more else 0)
+    head = struct.pack(f"<BBQ{width}I", width, flags, len(words), *lens)
+    return [head, bytes((marks,)) if marks else b"", *parts]
 
 
 def compress_sparse(raw: bytes | memoryview, width: int, **kw) -> bytes:
@@ -156,9 +178,10 @@ def compress_sparse(raw: bytes | memoryview, width: int, **kw) -> bytes:
     return compress(raw, width, sparse=True, **kw)
 
 
-def is_sparse(blob: bytes | memoryview) -> bool:
-    """Whether a blob :func:`compress` wrote holds sparse planes (stage ``bytegroup/2``, not ``/1``)."""
-    return bool(blob[1] & _SPARSE)
+def stage(blob: bytes | memoryview) -> str:
+    """The stage a blob :func:`compress` wrote needs: ``bytegroup/2`` where it holds sparse planes or
+    segments (what a reader must know to decode it), else ``bytegroup/1``."""
+    return (S.BYTEGROUP2 if blob[1] & (_SPARSE | _MORE) else S.BYTEGROUP).descriptor  # _MORE: on the first of several
 
 
 def _sparse_frames(p: np.ndarray, level: int, plane: bool) -> bytes | None:
@@ -283,24 +306,45 @@ def decompress_words(blob: bytes | memoryview, prev: np.ndarray | None = None) -
     """The blob's words as a new, writable array (unsigned ints, native order), XORed with ``prev``
     (as many words of that width) when given: a delta's words undone without another pass."""
     blob = memoryview(blob)
+    segments, pos, done, first = [], 0, 0, None
+    while True:  # a blob of several segments: each one's words, then joined
+        words, pos, more, head = _decode_segment(blob, pos, prev, done)
+        if first is not None and head != first:
+            raise CorruptCheckpointError("byte-grouped blob's segments disagree on the word width or rotation")
+        first = head
+        segments.append(words)
+        done += words.size
+        if not more:
+            break
+    if prev is not None and prev.size != done:
+        raise CorruptCheckpointError(f"byte-grouped blob holds {done} words of {head[0]} bytes, its parent "
+                                     f"{prev.size} of {prev.itemsize}")
+    return segments[0] if len(segments) == 1 else np.concatenate(segments)
+
+
+def _decode_segment(blob: memoryview, start: int, prev: np.ndarray | None, done: int):
+    """(words, the offset after the segment, whether another follows, (width, rotated)) of the
+    segment at ``start``; its parent words are ``prev[done:]``."""
     try:
-        width, flags, n = struct.unpack_from("<BBQ", blob, 0)
-        if width not in _UINT or flags & ~(_ROTATED | _SPARSE) or (flags & _ROTATED and width == 1):
+        width, flags, n = struct.unpack_from("<BBQ", blob, start)
+        if width not in _UINT or flags & ~(_ROTATED | _SPARSE | _MORE) or (flags & _ROTATED and width == 1):
             raise ValueError  # compress never writes these
-        lens = struct.unpack_from(f"<{width}I", blob, 10)
-        marks = blob[10 + 4 * width] if flags & _SPARSE else 0
+        lens = struct.unpack_from(f"<{width}I", blob, start + 10)
+        marks = blob[start + 10 + 4 * width] if flags & _SPARSE else 0
         if flags & _SPARSE and not 0 < marks < 1 << width or any(ln & _RAW for i, ln in enumerate(lens)
                                                                  if marks >> i & 1):
             raise ValueError  # a marks byte marks some planes, each stored sparse, not raw
     except (struct.error, ValueError, IndexError):
         raise CorruptCheckpointError("byte-grouped blob has a malformed header") from None
-    off = 10 + 4 * width + (1 if flags & _SPARSE else 0)
+    off = start + 10 + 4 * width + (1 if flags & _SPARSE else 0)
     end = off + sum(ln & ~_RAW for ln in lens)
-    if end != len(blob):
-        raise CorruptCheckpointError("byte-grouped blob has trailing bytes" if end < len(blob) else
-                                     f"byte-grouped blob is truncated: {len(blob)} bytes, its planes need {end}")
-    if prev is not None and (prev.dtype != _UINT[width] or prev.size != n):
-        raise CorruptCheckpointError(f"byte-grouped blob holds {n} words of {width} bytes, its parent "
+    if end > len(blob) or (flags & _MORE and end == len(blob)):
+        raise CorruptCheckpointError(f"byte-grouped blob is truncated: {len(blob)} bytes, its planes need "
+                                     f"{end}{' and another segment' if flags & _MORE else ''}")
+    if end < len(blob) and not flags & _MORE:
+        raise CorruptCheckpointError("byte-grouped blob has trailing bytes")
+    if prev is not None and (prev.dtype != _UINT[width] or prev.size < done + n):
+        raise CorruptCheckpointError(f"byte-grouped blob holds {done + n}+ words of {width} bytes, its parent "
                                      f"{prev.size} of {prev.itemsize}")
     for i, ln in enumerate(lens):
         size = ln & ~_RAW
@@ -322,7 +366,9 @@ def decompress_words(blob: bytes | memoryview, prev: np.ndarray | None = None) -
             sparse_merge(*p, planes[i])
         else:
             planes[i] = np.frombuffer(p, dtype=np.uint8)
-    return merge_planes(planes, bool(flags & _ROTATED), _UINT[width], prev=prev)
+    words = merge_planes(planes, bool(flags & _ROTATED), _UINT[width],
+                         prev=None if prev is None else prev[done:done + n])
+    return words, end, bool(flags & _MORE), (width, flags & _ROTATED)
 
 
 def _sparse_parts(chunk: memoryview, n: int, what: str) -> tuple[np.ndarray, np.ndarray]:

@@ -80,9 +80,9 @@ SPAN = _stage("span/1", "the bytes are meta.span = [offset, length] of the metho
 BYTEGROUP = _stage("bytegroup/1", "byte planes of the words (floats rotated left by one bit), each a zstd "
                    "frame or raw: codec/bytegroup.py", takes=BYTES,
                    codec="ckptzip.codec.bytegroup:compress:decompress")
-BYTEGROUP_SPARSE = _stage("bytegroup/2", "bytegroup/1, and planes at most half nonzero may be stored sparse (a "
-                          "nonzero mask's frame and the nonzero bytes' frame): codec/bytegroup.py", takes=BYTES,
-                          codec="ckptzip.codec.bytegroup:compress_sparse:decompress")
+BYTEGROUP2 = _stage("bytegroup/2", "bytegroup/1, and planes at most half nonzero may be stored sparse (a nonzero "
+                    "mask's frame and the nonzero bytes' frame), a tensor over 2**30 words in segments: "
+                    "codec/bytegroup.py", takes=BYTES, codec="ckptzip.codec.bytegroup:compress_sparse:decompress")
 ZSTD_FRAME = _stage("zstd-frame/1", "one zstd frame with its content size: codec/frames.py", takes=BYTES,
                     codec="ckptzip.codec.frames:zstd_compress:zstd_decompress")
 XZ = _stage("xz/1", "one .xz stream (LZMA2 preset 9|extreme, CRC64): codec/frames.py", takes=BYTES,

@@ -232,7 +232,8 @@ class BitSnapMethod(Method):
             blobs = {"values": bytegroup.compress(payload[n_mask:], cur.element_size(), float_bits=True, level=level)}
             if n_mask:
                 blobs["mask"] = bytegroup.compress(payload[:n_mask], 1, float_bits=False, level=level)
-            enc.add(name, pipeline + [S.BYTEGROUP.descriptor], meta, **blobs)
+            stored = max(bytegroup.stage(b) for b in blobs.values())  # bytegroup/2 if either needs it
+            enc.add(name, pipeline + [stored], meta, **blobs)
         else:
             if codec == "zstd":
                 packed = frames.zstd_compress(payload, level)
@@ -301,7 +302,7 @@ class BitSnapMethod(Method):
             dmeta["n_changed"] = meta["n_changed"]
         if kind == "same":
             payload = b""
-        elif pipeline[2:] == [S.BYTEGROUP.descriptor]:
+        elif pipeline[2:] in ([S.BYTEGROUP.descriptor], [S.BYTEGROUP2.descriptor]):
             payload = bytegroup.decompress(encoded.blob(name, "values"))
             if kind == "bitmask":
                 payload = bytegroup.decompress(encoded.blob(name, "mask")) + payload

@@ -99,10 +99,6 @@ _PLAIN = [S.LOSSLESS.descriptor]
 _XOR = [S.LOSSLESS.descriptor, S.XOR.descriptor]
 
 
-def _stored(blob: bytes) -> list[str]:
-    """The byte-grouped stage of ``blob``: bytegroup/2 only where it holds sparse planes (what a
-    reader must know to decode it)."""
-    return [(S.BYTEGROUP_SPARSE if bytegroup.is_sparse(blob) else S.BYTEGROUP).descriptor]
 
 
 @register
@@ -167,7 +163,7 @@ class LosslessMethod(Method):
         coded = dict(zip((n for n, _, _ in large), thread_map(one, large)))
         xored = {n for items in members.values() for n, _, x in items if x} | {n for n, _, x in large if x}
         raw_planes = {} if prev is None else {k: bytegroup.raw_planes(enc.blobs[k]) for k in kept}
-        own, grouped = {}, {key: [S.GROUP.descriptor, *_stored(enc.blobs[key])] for key in kept}
+        own, grouped = {}, {key: [S.GROUP.descriptor, bytegroup.stage(enc.blobs[key])] for key in kept}
         for name in state.records:  # records in the state's order
             head = _XOR if name in xored else _PLAIN
             if name in metas:
@@ -176,7 +172,7 @@ class LosslessMethod(Method):
                 data, digest, own[name] = coded[name]
                 if name in xored:
                     raw_planes[name] = bytegroup.raw_planes(data)
-                key = enc.add(name, head + _stored(data), {}, data=data)["data"]
+                key = enc.add(name, head + [bytegroup.stage(data)], {}, data=data)["data"]
                 if digest is not None:
                     enc.digests[key] = ctx.checksum, digest, data
         return enc, LosslessReference(ctx.step, EncoderTensors(list(state.records), own, kept), raw_planes)
