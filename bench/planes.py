@@ -72,8 +72,9 @@ def plane_table(calls: list[tuple], reps: int) -> None:
     bins = [(0.0, 0.2), (0.2, 0.35), (0.35, 0.5), (0.5, 0.8), (0.8, 1.01)]
     rows = {b: [0, 0, 0, 0.0, 0.0, 0] for b in bins}  # planes, bytes, one frame's bytes, its s, sparse s, sparse bytes
     for w, width, kw in calls:
-        planes = bytegroup.split_planes(bytegroup._words(memoryview(w).cast("B"), width), width > 1 and kw.get(
-            "float_bits", True), None if kw["prev"] is None else bytegroup._words(memoryview(kw["prev"]).cast("B"), width))
+        words = w.reshape(-1).view(bytegroup._UINT[width])
+        prev = None if kw["prev"] is None else kw["prev"].reshape(-1).view(bytegroup._UINT[width])
+        planes = bytegroup.split_planes(words, width > 1 and kw.get("float_bits", True), prev)
         keep_raw = bytegroup._probed_raw(planes, kw.get("store_raw", ()), kw.get("min_gain", 0.0))
         for i, p in enumerate(planes):
             if i in keep_raw or p.size < bytegroup.SPARSE_MIN:
@@ -98,7 +99,8 @@ def plane_table(calls: list[tuple], reps: int) -> None:
             row[5] += 4 + len(m) + len(z)
     print("\n#### Compressed planes of those calls by their share of nonzero bytes (best of "
           f"{reps}; the writer stores a plane sparse at <= {bytegroup.SPARSE_SHARE})\n")
-    print("| nonzero share | planes | bytes | one frame: bytes, ms | sparse: bytes, ms (split included) | sparse / one frame: bytes, time |")
+    print("| nonzero share | planes | bytes | one frame: bytes, ms | sparse: bytes, ms (split included) "
+          "| sparse / one frame: bytes, time |")
     print("|---|---|---|---|---|---|")
     for (lo, hi), (n, size, one, t1, ts, sb) in rows.items():
         if n:

@@ -6,7 +6,7 @@ lowest bit and the exponent fills the top byte, then split the words into byte p
 bytes, then all next bytes, ...) and compress each plane as its own zstd frame: the exponent plane
 shrinks a lot, the mantissa planes hardly at all. Integers are only byte-grouped.
 
-Blob layout: ``u8 width | u8 flags(bit0: rotated, bit1: sparse planes) | u64 n_words |
+Blob layout: ``u8 width | u8 flags(bit0: rotated, bit1: sparse planes, bit2: a segment follows) | u64 n_words |
 u32 plane_len[width] | [u8 sparse marks, with bit1] | planes`` (little-endian; planes most-significant
 byte first). A plane that zstd cannot shrink is stored raw (its length has bit 31 set). Where the
 writer asks (``sparse=True``: stage ``bytegroup/2``), a plane at most half of whose bytes are
@@ -46,8 +46,8 @@ from collections.abc import Collection
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from .frames import zstd_compress, zstd_decompress
 from . import stages as S
+from .frames import zstd_compress, zstd_decompress
 from .scratch import scratch
 
 try:  # optional fast path; the numpy reference is always available

@@ -52,7 +52,7 @@ class LosslessConfig:
     min_gain: float = 0.1
     # planes at most half nonzero (a delta's exponent plane) stored as a mask and the nonzero bytes
     # (stage bytegroup/2: faster and smaller, docs/BENCHMARKS.md "Sparse exponent planes"); False:
-    # every plane one frame or raw, as before (bytegroup/1 only)
+    # every plane one frame or raw, as before
     sparse_planes: bool = True
 
     def __post_init__(self):
@@ -97,8 +97,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 _PLAIN = [S.LOSSLESS.descriptor]
 _XOR = [S.LOSSLESS.descriptor, S.XOR.descriptor]
-
-
 
 
 @register
