@@ -456,18 +456,25 @@ def test_bytegroup_corruption_only_typed_errors():
     with pytest.raises(CorruptCheckpointError, match="trailing"):
         bytegroup.decompress(blob + b"\0")
     header_end = 10 + 4 * 4
-    for pos in range(len(blob)):
-        for x in (0x01, 0x20, 0x80, 0xFF):
-            bad = bytearray(blob)
-            bad[pos] ^= x
-            try:
-                out = bytegroup.decompress(bytes(bad))
-            except CorruptCheckpointError:
-                continue
+    for pos, x, out in _flips(blob, range(len(blob)), (0x01, 0x20, 0x80, 0xFF)):
+        if out is not None:
             # a flip inside a zstd payload, or of the rotation flag alone, can decode to other bytes
             # (the container's SHA-256 catches it); any other header flip never passes
             assert pos >= header_end or out == raw or (pos, x) == (1, 0x01), (pos, x)
             assert len(out) == len(raw)
+
+
+def _flips(blob: bytes, positions, masks):
+    """(position, mask, what decompress gave: its bytes, or None for a CorruptCheckpointError) for each
+    flip of one byte of ``blob`` (any other exception fails the test)."""
+    for pos in positions:
+        for x in masks:
+            bad = bytearray(blob)
+            bad[pos] ^= x
+            try:
+                yield pos, x, bytegroup.decompress(bytes(bad))
+            except CorruptCheckpointError:
+                yield pos, x, None
 
 
 @pytest.mark.parametrize("patch", [
@@ -629,15 +636,8 @@ def test_sparse_blob_corruption_only_typed_errors():
     for cut in range(0, len(blob), 7):
         with pytest.raises(CorruptCheckpointError):
             bytegroup.decompress(blob[:cut])
-    for pos in range(31):  # header, marks, the sparse plane's u32 m
-        for x in (0x01, 0x02, 0x10, 0x80, 0xFF):
-            bad = bytearray(blob)
-            bad[pos] ^= x
-            try:
-                out = bytegroup.decompress(bytes(bad))
-            except CorruptCheckpointError:
-                continue
-            assert len(out) == len(raw), (pos, x)
+    for pos, x, out in _flips(blob, range(31), (0x01, 0x02, 0x10, 0x80, 0xFF)):  # header, marks, the u32 m
+        assert out is None or len(out) == len(raw), (pos, x)
     lens = list(struct.unpack_from("<4I", blob, 10))
     for patch in (lambda b: b[:26] + b"\x00" + b[27:],       # marks nothing
                   lambda b: b[:26] + b"\x11" + b[27:],       # marks a fifth plane of four
