@@ -741,6 +741,11 @@ def test_segment_corruption_only_typed_errors(monkeypatch):
         bytegroup.decompress(blob[:len(first)] + other)
     with pytest.raises(CorruptCheckpointError, match="truncated"):
         bytegroup.decompress(blob[:len(first)])  # flagged, and nothing follows
+    # a later segment that claims more words than its planes hold: refused before the words of all
+    # segments are allocated (here 2**40 words, 4 TiB)
+    huge = blob[:len(first) + 2] + struct.pack("<Q", 1 << 40) + blob[len(first) + 10:]
+    with pytest.raises(CorruptCheckpointError, match="promises|holds"):
+        bytegroup.decompress(huge)
 
 
 def test_a_chain_of_tensors_in_segments_restores_exactly(digits_snapshots, monkeypatch, tmp_path):

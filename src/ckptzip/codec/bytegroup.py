@@ -47,7 +47,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError
 from . import stages as S
-from .frames import zstd_compress, zstd_decompress
+from .frames import zstd_compress, zstd_content_size, zstd_decompress
 from .scratch import scratch
 
 try:  # optional fast path; the numpy reference is always available
@@ -97,17 +97,21 @@ def split_planes(words: np.ndarray, rotate: bool, prev: np.ndarray | None = None
 
 
 def merge_planes(planes: np.ndarray, rotate: bool, dtype, *, backend: str = "auto",
-                 prev: np.ndarray | None = None) -> np.ndarray:
+                 prev: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """Inverse of :func:`split_planes`: (width, n) planes -> n new words of ``dtype`` (uint, native
-    order), XORed with ``prev`` (n words of ``dtype``) last when given, in the same pass."""
+    order), XORed with ``prev`` (n words of ``dtype``) last when given, in the same pass; into
+    ``out`` (n words) when given."""
     if _use_numba(backend):
-        out = np.empty(planes.shape[1], dtype=dtype)
+        out = np.empty(planes.shape[1], dtype=dtype) if out is None else out
         _KERNELS[planes.shape[0]][2](planes, rotate, prev if prev is not None else out[:0], out)
         return out
-    out = np.ascontiguousarray(planes[::-1].T).view(dtype).reshape(-1)
-    out = _rotr1(out, 8 * planes.shape[0]) if rotate else out
+    words = np.ascontiguousarray(planes[::-1].T).view(dtype).reshape(-1)
+    words = _rotr1(words, 8 * planes.shape[0]) if rotate else words
     if prev is not None:
-        np.bitwise_xor(out, prev, out=out)
+        np.bitwise_xor(words, prev, out=words)
+    if out is None:
+        return words
+    out[:] = words
     return out
 
 
@@ -306,57 +310,97 @@ def decompress_words(blob: bytes | memoryview, prev: np.ndarray | None = None) -
     """The blob's words as a new, writable array (unsigned ints, native order), XORed with ``prev``
     (as many words of that width) when given: a delta's words undone without another pass."""
     blob = memoryview(blob)
-    segments, pos, done, first = [], 0, 0, None
-    while True:  # a blob of several segments: each one's words, then joined
-        words, pos, more, head = _decode_segment(blob, pos, prev, done)
-        if first is not None and head != first:
-            raise CorruptCheckpointError("byte-grouped blob's segments disagree on the word width or rotation")
-        first = head
-        segments.append(words)
-        done += words.size
-        if not more:
-            break
-    if prev is not None and prev.size != done:
-        raise CorruptCheckpointError(f"byte-grouped blob holds {done} words of {head[0]} bytes, its parent "
+    heads = _segment_heads(blob)
+    width, rotated, total = heads[0][1], heads[0][2] & _ROTATED, sum(h[3] for h in heads)
+    if any(h[1] != width or h[2] & _ROTATED != rotated for h in heads):
+        raise CorruptCheckpointError("byte-grouped blob's segments disagree on the word width or rotation")
+    if prev is not None and (prev.dtype != _UINT[width] or prev.size != total):
+        raise CorruptCheckpointError(f"byte-grouped blob holds {total} words of {width} bytes, its parent "
                                      f"{prev.size} of {prev.itemsize}")
-    return segments[0] if len(segments) == 1 else np.concatenate(segments)
+    if len(heads) == 1:
+        return _decode_segment(blob, heads[0], prev, None)
+    for h in heads:  # every plane's promised size checked before the words of all are allocated
+        _check_promises(blob, h)
+    out, done = np.empty(total, dtype=_UINT[width]), 0
+    for h in heads:
+        n = h[3]
+        _decode_segment(blob, h, None if prev is None else prev[done:done + n], out[done:done + n])
+        done += n
+    return out
 
 
-def _decode_segment(blob: memoryview, start: int, prev: np.ndarray | None, done: int):
-    """(words, the offset after the segment, whether another follows, (width, rotated)) of the
-    segment at ``start``; its parent words are ``prev[done:]``."""
-    try:
-        width, flags, n = struct.unpack_from("<BBQ", blob, start)
-        if width not in _UINT or flags & ~(_ROTATED | _SPARSE | _MORE) or (flags & _ROTATED and width == 1):
-            raise ValueError  # compress never writes these
-        lens = struct.unpack_from(f"<{width}I", blob, start + 10)
-        marks = blob[start + 10 + 4 * width] if flags & _SPARSE else 0
-        if flags & _SPARSE and not 0 < marks < 1 << width or any(ln & _RAW for i, ln in enumerate(lens)
-                                                                 if marks >> i & 1):
-            raise ValueError  # a marks byte marks some planes, each stored sparse, not raw
-    except (struct.error, ValueError, IndexError):
-        raise CorruptCheckpointError("byte-grouped blob has a malformed header") from None
-    off = start + 10 + 4 * width + (1 if flags & _SPARSE else 0)
-    end = off + sum(ln & ~_RAW for ln in lens)
-    if end > len(blob) or (flags & _MORE and end == len(blob)):
-        raise CorruptCheckpointError(f"byte-grouped blob is truncated: {len(blob)} bytes, its planes need "
-                                     f"{end}{' and another segment' if flags & _MORE else ''}")
-    if end < len(blob) and not flags & _MORE:
-        raise CorruptCheckpointError("byte-grouped blob has trailing bytes")
-    if prev is not None and (prev.dtype != _UINT[width] or prev.size < done + n):
-        raise CorruptCheckpointError(f"byte-grouped blob holds {done + n}+ words of {width} bytes, its parent "
-                                     f"{prev.size} of {prev.itemsize}")
+def _segment_heads(blob: memoryview) -> list[tuple]:
+    """Each segment's (start, width, flags, n, lens, marks, its planes' offset), the layout checked:
+    known flags, a marks byte that marks only planes stored, a next segment where flagged, nothing after
+    the last."""
+    heads, start = [], 0
+    while True:
+        try:
+            width, flags, n = struct.unpack_from("<BBQ", blob, start)
+            if width not in _UINT or flags & ~(_ROTATED | _SPARSE | _MORE) or (flags & _ROTATED and width == 1):
+                raise ValueError  # compress never writes these
+            lens = struct.unpack_from(f"<{width}I", blob, start + 10)
+            marks = blob[start + 10 + 4 * width] if flags & _SPARSE else 0
+            if flags & _SPARSE and not 0 < marks < 1 << width or any(ln & _RAW for i, ln in enumerate(lens)
+                                                                     if marks >> i & 1):
+                raise ValueError  # a marks byte marks some planes, each stored sparse, not raw
+        except (struct.error, ValueError, IndexError):
+            raise CorruptCheckpointError("byte-grouped blob has a malformed header") from None
+        off = start + 10 + 4 * width + (1 if flags & _SPARSE else 0)
+        end = off + sum(ln & ~_RAW for ln in lens)
+        if end > len(blob) or (flags & _MORE and end == len(blob)):
+            raise CorruptCheckpointError(f"byte-grouped blob is truncated: {len(blob)} bytes, its planes need "
+                                         f"{end}{' and another segment' if flags & _MORE else ''}")
+        heads.append((start, width, flags, n, lens, marks, off))
+        if not flags & _MORE:
+            if end < len(blob):
+                raise CorruptCheckpointError("byte-grouped blob has trailing bytes")
+            return heads
+        start = end
+
+
+def _planes_of(blob: memoryview, head: tuple):
+    """(index, stored length, raw, sparse, its bytes) of each plane of a segment."""
+    _, _, _, _, lens, marks, off = head
     for i, ln in enumerate(lens):
         size = ln & ~_RAW
-        chunk = blob[off:off + size]
+        yield i, size, bool(ln & _RAW), bool(marks >> i & 1), blob[off:off + size]
         off += size
+
+
+def _check_promises(blob: memoryview, head: tuple) -> None:
+    """Each plane of a segment holds, or its frames promise, the segment's word count (a frame that
+    does not record its size is refused here: compress records it)."""
+    n = head[3]
+    for i, size, raw, sparse, chunk in _planes_of(blob, head):
+        if raw:
+            promised = size
+        elif sparse:
+            promised = n if _sparse_promises(chunk, n, f"byte plane {i}") else -1
+        else:
+            promised = zstd_content_size(chunk, what=f"byte plane {i}")
+        if promised != n:
+            raise CorruptCheckpointError(f"byte plane {i} of a segment of {n} words promises other than {n} bytes")
+
+
+def _sparse_promises(chunk: memoryview, n: int, what: str) -> bool:
+    """Whether a sparse plane's frames promise a mask of ``n`` bits and at most ``n`` nonzero bytes."""
+    m = 4 + struct.unpack_from("<I", chunk)[0] if len(chunk) >= 4 else len(chunk) + 1
+    return m <= len(chunk) and zstd_content_size(chunk[4:m], what=f"{what}'s mask") == (n + 7) >> 3 and \
+        0 <= zstd_content_size(chunk[m:], what=f"{what}'s nonzero bytes") <= n
+
+
+def _decode_segment(blob: memoryview, head: tuple, prev: np.ndarray | None, out: np.ndarray | None) -> np.ndarray:
+    """A segment's words (into ``out`` when given), XORed with ``prev`` (its parent words)."""
+    width, flags, n = head[1], head[2], head[3]
+    for i, size, raw, sparse, chunk in _planes_of(blob, head):
         # the size a plane promises is checked before allocating: a corrupt word count or frame
         # header must not ask for terabytes (MemoryError is not a typed error)
-        if ln & _RAW:
+        if raw:
             if size != n:
                 raise CorruptCheckpointError(f"byte plane {i} holds {size} bytes, expected {n}")
             p = chunk
-        elif marks >> i & 1:
+        elif sparse:
             p = _sparse_parts(chunk, n, f"byte plane {i}")
         else:
             p = zstd_decompress(chunk, max_bytes=n, exact=True, what=f"byte plane {i}")
@@ -366,9 +410,7 @@ def _decode_segment(blob: memoryview, start: int, prev: np.ndarray | None, done:
             sparse_merge(*p, planes[i])
         else:
             planes[i] = np.frombuffer(p, dtype=np.uint8)
-    words = merge_planes(planes, bool(flags & _ROTATED), _UINT[width],
-                         prev=None if prev is None else prev[done:done + n])
-    return words, end, bool(flags & _MORE), (width, flags & _ROTATED)
+    return merge_planes(planes, bool(flags & _ROTATED), _UINT[width], prev=prev, out=out)
 
 
 def _sparse_parts(chunk: memoryview, n: int, what: str) -> tuple[np.ndarray, np.ndarray]:
