@@ -13,7 +13,12 @@ repetition (median [min, max]: the issue's "medians over steady-state checkpoint
 same against a zstd-3 checkpointer that keeps its frames in the same memory store as the chain's
 files (a save's file is new memory the process must fault in; bare zstd-3 drops its frame and
 compresses the next into the pages it freed), and the paired difference (mean +- standard
-error). Time is thread CPU time with ``torch.set_num_threads(1)``, as in speed.py.
+error: over the repetitions, and over the worker pairs' means). Time is thread CPU time with
+``torch.set_num_threads(1)``, as in speed.py. A worker process's luck (its memory layout, its
+caches) moves a build's times by ~5 % for the process's life: an A/A run of this build against
+itself with one pair of workers read 0.947x. So a fresh pair of workers is started every
+``--respawn`` repetitions (default 10; 0: one pair throughout, as before), and the paired error
+over the pairs' means counts that luck (docs/BENCHMARKS.md, "Sparse exponent planes").
 
 The other build is checked out with ``git worktree add --detach`` into a temporary folder and
 removed after; each worker imports its own build's ``src``. The first repetition's files are
@@ -168,6 +173,10 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=96, help="the GPT's n_embd (default: the small chain's)")
     ap.add_argument("--layers", type=int, default=4, help="the GPT's n_layer (48 with --width 32: bench/record_cost.py's "
                     "deep, narrow GPT of ~2,300 records)")
+    ap.add_argument("--respawn", type=int, default=10,
+                    help="a fresh pair of workers every N repetitions (0: one pair for the whole run). A worker "
+                         "process's luck moves a build's times by ~5 %% for its life (an A/A run of one pair: "
+                         "0.947x); the error over pairs counts it")
     ap.add_argument("--restore", action="store_true", help="also restore every step, paired the same way")
     ap.add_argument("--search", action="store_true", help="also save with the config search, paired the same way")
     ap.add_argument("--other-jit", choices=["child", "inprocess"], default=None,
@@ -187,22 +196,27 @@ def main() -> None:
             states_path = os.path.join(tmp, "states.pt")
             torch.save(speed.small_states(args.small_n, args.small_every, n_embd=args.width, n_layer=args.layers),
                        states_path)
-            builds = {args.rev: start(os.path.join(other, "src"), states_path, args.method, os.path.join(tmp, "nb1"),
-                                      args.restore, args.search, args.other_jit),
-                      "this": start(os.path.join(ROOT, "src"), states_path, args.method, os.path.join(tmp, "nb2"),
-                                    args.restore, args.search)}
-            runs: dict[str, list[dict]] = {b: [] for b in builds}
-            files = {}
-            for rep in range(args.reps + 1):  # repetition 0 warms both up (numba's cache, first touches)
+            def spawn() -> dict:
+                return {args.rev: start(os.path.join(other, "src"), states_path, args.method, os.path.join(tmp, "nb1"),
+                                        args.restore, args.search, args.other_jit),
+                        "this": start(os.path.join(ROOT, "src"), states_path, args.method, os.path.join(tmp, "nb2"),
+                                      args.restore, args.search)}
+
+            runs: dict[str, list[dict]] = {args.rev: [], "this": []}
+            files, pair, builds = {}, -1, {}
+            for rep in range(args.reps):
+                if not builds:  # a fresh pair of workers; its first repetition warms both up (numba's cache,
+                    builds, pair = spawn(), pair + 1  # first touches) and is not counted
+                    for b in builds:
+                        r = ask(builds[b], 0)
+                        files.setdefault(b, (r["files"], r.get("restored"), r.get("searched_restored")))
                 for b in (list(builds) if rep % 2 else list(builds)[::-1]):
-                    r = ask(builds[b], rep)
-                    if rep:
-                        runs[b].append(r)
-                    else:
-                        files[b] = (r["files"], r.get("restored"), r.get("searched_restored"))
-            for p in builds.values():
-                p.stdin.close()
-                p.wait()
+                    runs[b].append({**ask(builds[b], rep + 1), "pair": pair})
+                if args.respawn and (rep + 1) % args.respawn == 0 or rep + 1 == args.reps:
+                    for p in builds.values():
+                        p.stdin.close()
+                        p.wait()
+                    builds = {}
         finally:
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", other], capture_output=True)
     report(args, runs, files)
@@ -232,7 +246,7 @@ def report(args, runs: dict, files: dict) -> None:
               f"| {mn:.2f} | {mn / zmin:.2f}x | {statistics.median(steady):.2f}x [{steady[0]:.2f}, {steady[-1]:.2f}] "
               f"| {statistics.median(stored):.2f}x [{stored[0]:.2f}, {stored[-1]:.2f}] |")
     d, se, ratio = paired(ra, rb, "save", ms)
-    print(f"\n{a} - {b}, paired: {d:.2f} +- {se:.2f} ms a checkpoint (mean +- se); "
+    print(f"\n{a} - {b}, paired: {d:.2f} +- {se} ms a checkpoint (mean +- se); "
           f"{b} takes {ratio:.3f}x the time of {a}")
     if "restore" in ra[0]:
         restores(a, ra, b, rb, files[a][1] == files[b][1])
@@ -259,7 +273,7 @@ def searches(a: str, ra: list[dict], b: str, rb: list[dict], same: bool) -> None
         print(f"| {name} | {statistics.mean(o):.2f} | {statistics.median(o):.2f} | {statistics.mean(f):.2f} | "
               f"{statistics.mean(o) / statistics.mean(f):.2f}x | {statistics.median(per):.2f}x [{per[0]:.2f}, {per[-1]:.2f}] |")
     d, se, ratio = paired(ra, rb, "own", ms)
-    print(f"\n{a} - {b}, paired: {d:.2f} +- {se:.2f} ms a steady search; {b}'s takes {ratio:.3f}x the time of {a}'s")
+    print(f"\n{a} - {b}, paired: {d:.2f} +- {se} ms a steady search; {b}'s takes {ratio:.3f}x the time of {a}'s")
 
 
 def restores(a: str, ra: list[dict], b: str, rb: list[dict], same: bool) -> None:
@@ -275,13 +289,21 @@ def restores(a: str, ra: list[dict], b: str, rb: list[dict], same: bool) -> None
         s = [ms(r["restore"]) for r in rs]
         print(f"| {name} | {statistics.mean(s):.2f} | {statistics.median(s):.2f} | {statistics.mean(s) / zm:.2f}x |")
     d, se, ratio = paired(ra, rb, "restore", ms)
-    print(f"\n{a} - {b}, paired: {d:.2f} +- {se:.2f} ms a step; {b} takes {ratio:.3f}x the time of {a}")
+    print(f"\n{a} - {b}, paired: {d:.2f} +- {se} ms a step; {b} takes {ratio:.3f}x the time of {a}")
 
 
-def paired(ra: list[dict], rb: list[dict], key: str, ms) -> tuple[float, float, float]:
-    """(mean of a's minus b's ms(r[key]) repetition by repetition, its standard error, b's mean over a's)."""
+def paired(ra: list[dict], rb: list[dict], key: str, ms) -> tuple[float, str, float]:
+    """(mean of a's minus b's ms(r[key]) repetition by repetition; its standard error over the
+    repetitions and, with several worker pairs, over the pairs' means (a process's luck is shared by
+    its repetitions); b's mean over a's)."""
     d = [ms(x[key]) - ms(y[key]) for x, y in zip(ra, rb)]
-    se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+    se = f"{statistics.stdev(d) / math.sqrt(len(d)):.2f}" if len(d) > 1 else "nan"
+    pairs: dict[int, list[float]] = {}
+    for x, v in zip(ra, d):
+        pairs.setdefault(x.get("pair", 0), []).append(v)
+    if len(pairs) > 1:
+        means = [statistics.mean(v) for v in pairs.values()]
+        se += f" (+- {statistics.stdev(means) / math.sqrt(len(means)):.2f} over {len(means)} worker pairs)"
     return statistics.mean(d), se, statistics.mean(ms(r[key]) for r in rb) / statistics.mean(ms(r[key]) for r in ra)
 
 
