@@ -231,8 +231,6 @@ def sparse_merge(mask: np.ndarray, nonzero: np.ndarray, out: np.ndarray, *, back
         raise CorruptCheckpointError(f"a sparse byte plane's mask marks other than its {nonzero.size} nonzero bytes")
 
 
-
-
 PROBE_BYTES = 1 << 12  # a plane predicted raw is compressed whole only if this much of it promises a gain
 _PROBE_GAIN = 0.01     # ... of at least this share (a near-random plane's histogram promises ~0.6 %)
 _PROBE_BIAS = 0.02     # what the histogram of 4 KiB promises beyond zstd's gain on a near-random plane
@@ -385,9 +383,17 @@ def _check_promises(blob: memoryview, head: tuple) -> None:
 
 def _sparse_promises(chunk: memoryview, n: int, what: str) -> bool:
     """Whether a sparse plane's frames promise a mask of ``n`` bits and at most ``n`` nonzero bytes."""
-    m = 4 + struct.unpack_from("<I", chunk)[0] if len(chunk) >= 4 else len(chunk) + 1
-    return m <= len(chunk) and zstd_content_size(chunk[4:m], what=f"{what}'s mask") == (n + 7) >> 3 and \
-        0 <= zstd_content_size(chunk[m:], what=f"{what}'s nonzero bytes") <= n
+    mask, nonzero = _sparse_frames_of(chunk, what)
+    return zstd_content_size(mask, what=f"{what}'s mask") == (n + 7) >> 3 and \
+        0 <= zstd_content_size(nonzero, what=f"{what}'s nonzero bytes") <= n
+
+
+def _sparse_frames_of(chunk: memoryview, what: str) -> tuple[memoryview, memoryview]:
+    """A sparse plane's two frames: ``u32 m | the mask's (m bytes) | the nonzero bytes'``."""
+    if len(chunk) < 4 or struct.unpack_from("<I", chunk)[0] > len(chunk) - 4:
+        raise CorruptCheckpointError(f"{what} is sparse but its mask's length does not fit it")
+    m = 4 + struct.unpack_from("<I", chunk)[0]
+    return chunk[4:m], chunk[m:]
 
 
 def _decode_segment(blob: memoryview, head: tuple, prev: np.ndarray | None, out: np.ndarray | None) -> np.ndarray:
@@ -416,11 +422,9 @@ def _decode_segment(blob: memoryview, head: tuple, prev: np.ndarray | None, out:
 def _sparse_parts(chunk: memoryview, n: int, what: str) -> tuple[np.ndarray, np.ndarray]:
     """A sparse plane's (mask, nonzero bytes), each frame's size checked before it is decompressed
     (the nonzero bytes' against the plane's: :func:`sparse_merge` checks the mask's count)."""
-    if len(chunk) < 4 or struct.unpack_from("<I", chunk)[0] > len(chunk) - 4:
-        raise CorruptCheckpointError(f"{what} is sparse but its mask's length does not fit it")
-    m = 4 + struct.unpack_from("<I", chunk)[0]
-    mask = zstd_decompress(chunk[4:m], max_bytes=(n + 7) >> 3, exact=True, what=f"{what}'s mask")
-    nonzero = zstd_decompress(chunk[m:], max_bytes=n, what=f"{what}'s nonzero bytes")
+    mask, nonzero = _sparse_frames_of(chunk, what)
+    mask = zstd_decompress(mask, max_bytes=(n + 7) >> 3, exact=True, what=f"{what}'s mask")
+    nonzero = zstd_decompress(nonzero, max_bytes=n, what=f"{what}'s nonzero bytes")
     return np.frombuffer(mask, dtype=np.uint8), np.frombuffer(nonzero, dtype=np.uint8)
 
 
