@@ -182,10 +182,11 @@ def compress_sparse(raw: bytes | memoryview, width: int, **kw) -> bytes:
     return compress(raw, width, sparse=True, **kw)
 
 
-def stage(blob: bytes | memoryview) -> str:
-    """The stage a blob :func:`compress` wrote needs: ``bytegroup/2`` where it holds sparse planes or
-    segments (what a reader must know to decode it), else ``bytegroup/1``."""
-    return (S.BYTEGROUP2 if blob[1] & (_SPARSE | _MORE) else S.BYTEGROUP).descriptor  # _MORE: on the first of several
+def stage(*blobs: bytes | memoryview) -> str:
+    """The stage blobs :func:`compress` wrote need (a record's, all read alike): ``bytegroup/2`` where
+    one holds sparse planes or segments (what a reader must know to decode it), else ``bytegroup/1``."""
+    v2 = any(b[1] & (_SPARSE | _MORE) for b in blobs)  # _MORE: set on the first of several segments
+    return (S.BYTEGROUP2 if v2 else S.BYTEGROUP).descriptor
 
 
 def _sparse_frames(p: np.ndarray, level: int, plane: bool) -> bytes | None:

@@ -305,7 +305,6 @@ def available_methods() -> list[str]:
 
 # --- exact storage shared by every method (scalars, ints, small tensors, tensors a lossy method skips)
 
-EXACT_PIPELINE = S.pipeline(S.EXACT, S.BYTEGROUP)  # or bytegroup/2 (bytegroup.stage) for a tensor of segments
 EXACT_GROUPED = S.pipeline(S.EXACT, S.GROUP, S.BYTEGROUP)  # no blob: meta.group (methods/groups.py)
 EXACT_SAME = S.pipeline(S.EXACT, S.SAME)                    # no blob: the parent's record
 EXACT_RAW = S.pipeline(S.EXACT, S.RAW)
@@ -330,7 +329,7 @@ def encode_exact(enc: Encoded, name: str, t: torch.Tensor, *, level: int = 3, pa
         enc.add(name, EXACT_RAW, {}, data=bits.tobytes())
         return
     data = bytegroup.compress(bits, t.element_size(), float_bits=t.is_floating_point(), level=level)
-    enc.add(name, [S.EXACT.descriptor, bytegroup.stage(data)], {}, data=data)  # bytegroup/2: a tensor of segments
+    enc.add(name, [S.EXACT.descriptor, bytegroup.stage(data)], {}, data=data)  # bytegroup/1, or /2 in segments
 
 
 def _repeats(bits, t: torch.Tensor, parent: torch.Tensor | None) -> bool:
@@ -417,4 +416,4 @@ def decode_exact(enc: Encoded, name: str, rec: TensorRecord, parent: torch.Tenso
 
 
 def is_exact(enc: Encoded, name: str) -> bool:
-    return enc.records[name]["pipeline"][:1] == EXACT_PIPELINE[:1]
+    return enc.records[name]["pipeline"][:1] == [S.EXACT.descriptor]

@@ -232,8 +232,7 @@ class BitSnapMethod(Method):
             blobs = {"values": bytegroup.compress(payload[n_mask:], cur.element_size(), float_bits=True, level=level)}
             if n_mask:
                 blobs["mask"] = bytegroup.compress(payload[:n_mask], 1, float_bits=False, level=level)
-            stored = max(bytegroup.stage(b) for b in blobs.values())  # bytegroup/2 if either needs it
-            enc.add(name, pipeline + [stored], meta, **blobs)
+            enc.add(name, pipeline + [bytegroup.stage(*blobs.values())], meta, **blobs)
         else:
             if codec == "zstd":
                 packed = frames.zstd_compress(payload, level)
